@@ -1,0 +1,3 @@
+from api_gateway.app import main
+
+raise SystemExit(main())

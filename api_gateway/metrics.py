@@ -1,0 +1,60 @@
+"""Prometheus metrics, merged across gateway processes.
+
+prometheus-client's multiprocess mode: every gateway writes its values to
+files in ``$PROMETHEUS_MULTIPROC_DIR`` (the manager sets it to a directory of
+the runtime dir and empties it at start) and any gateway renders the sum.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
+                 "/openapi.json")
+
+    def __init__(self):
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.registry = None if self.multiprocess else CollectorRegistry()
+        reg = {} if self.multiprocess else {"registry": self.registry}
+        self.requests = Counter("servectl_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], **reg)
+        self.prompt_tokens = Counter("servectl_prompt_tokens", "Prompt tokens processed", ["model"], **reg)
+        self.generation_tokens = Counter("servectl_generation_tokens", "Tokens generated", ["model"], **reg)
+        self.ttft = Histogram("servectl_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, **reg)
+        self.itl = Histogram("servectl_inter_token_latency_seconds", "Mean time between tokens of a request",
+                             ["model"], buckets=ITL_BUCKETS, **reg)
+        self.e2e = Histogram("servectl_e2e_request_latency_seconds", "Request latency, end to end", ["model"],
+                             buckets=LATENCY_BUCKETS, **reg)
+        self.running = Gauge("servectl_requests_running", "Requests the engine has not finished",
+                             ["model"], multiprocess_mode="max", **reg)
+        self.waiting = Gauge("servectl_requests_waiting", "Requests waiting for their engine to be ready",
+                             ["model"], multiprocess_mode="livesum", **reg)
+        self.engine_restarts = Counter("servectl_engine_restarts", "Engine group restarts seen", ["model"], **reg)
+        self.child_states = Gauge("servectl_child_state", "1 for the state each supervised process is in",
+                                  ["component", "state"], multiprocess_mode="max", **reg)
+        self._last_state: dict[str, str] = {}
+
+    def child_state(self, component: str, state: str) -> None:
+        old = self._last_state.get(component)
+        if old is not None and old != state:
+            self.child_states.labels(component=component, state=old).set(0)
+        self._last_state[component] = state
+        self.child_states.labels(component=component, state=state).set(1)
+
+    def render(self) -> tuple[bytes, str]:
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        return generate_latest(registry), CONTENT_TYPE_LATEST

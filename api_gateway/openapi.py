@@ -1,0 +1,49 @@
+"""/openapi.json, generated from the msgspec request and response types."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import msgspec
+
+from api_gateway import protocol as H
+
+
+@lru_cache(maxsize=1)
+def spec() -> dict:
+    from servectl import __version__
+
+    types = [H.CompletionRequest, H.ChatCompletionRequest, H.CompletionResponse, H.ChatCompletionResponse,
+             H.ChatCompletionChunk, H.ModelList, H.ModelCard, H.ErrorResponse]
+    (schemas), components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    ref = dict(zip([t.__name__ for t in types], schemas))
+    error = {"description": "error", "content": {"application/json": {"schema": ref["ErrorResponse"]}}}
+
+    def post(req: str, resp: str, stream_resp: str) -> dict:
+        return {"post": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref[req]}}},
+            "responses": {
+                "200": {"description": "the completion (stream: text/event-stream of " + stream_resp + ")",
+                        "content": {"application/json": {"schema": ref[resp]}}},
+                "400": error, "401": error, "404": error, "413": error, "429": error, "503": error},
+        }}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "servectl", "version": __version__},
+        "paths": {
+            "/v1/completions": post("CompletionRequest", "CompletionResponse", "CompletionResponse"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
+            "/v1/models": {"get": {"responses": {"200": {"description": "served models", "content": {
+                "application/json": {"schema": ref["ModelList"]}}}}}},
+            "/v1/models/{model}": {"get": {
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "one model", "content": {
+                    "application/json": {"schema": ref["ModelCard"]}}}, "404": error}}},
+            "/health": {"get": {"responses": {"200": {"description": "every model ready"},
+                                              "503": {"description": "some model not ready"}}}},
+            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
+            "/version": {"get": {"responses": {"200": {"description": "servectl version"}}}},
+        },
+        "components": {"schemas": components},
+    }

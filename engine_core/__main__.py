@@ -1,0 +1,3 @@
+from engine_core.core import main
+
+raise SystemExit(main())

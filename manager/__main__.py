@@ -1,0 +1,3 @@
+from manager.daemon import main
+
+raise SystemExit(main())

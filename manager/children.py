@@ -1,0 +1,163 @@
+"""One supervised process and its state: the single owner of that state.
+
+States (DESIGN.md): ``starting → ready → (stopping → stopped) | (exited →
+backoff → starting) | failed``. Every transition goes through ``Child.set``,
+which timestamps it and reports it to the listener (the manager publishes it
+on the events socket). Whether to restart is decided by ``RestartPolicy``,
+a pure function of exit times, unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATES = ("starting", "ready", "stopping", "stopped", "exited", "backoff", "failed")
+LOG_ROTATE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class RestartPolicy:
+    """Exponential backoff, and `failed` after too many exits in a window."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    crash_loop_count: int = 5
+    window_s: float = 120.0
+    exits: deque = field(default_factory=deque)
+
+    def record_exit(self, now: float) -> float | None:
+        """Note an exit; return the delay before restarting, or None for `failed`."""
+        self.exits.append(now)
+        while self.exits and now - self.exits[0] > self.window_s:
+            self.exits.popleft()
+        recent = len(self.exits)
+        if recent >= self.crash_loop_count:
+            return None
+        return min(self.max_s, self.initial_s * (2 ** (recent - 1)))
+
+    def reset(self) -> None:
+        self.exits.clear()
+
+
+def describe_exit(status: int, code: int) -> str:
+    """waitid's (si_code, si_status) in words: 'exit code 1' or 'signal SIGKILL'."""
+    if code == os.CLD_EXITED:
+        return f"exit code {status}"
+    try:
+        name = signal.Signals(status).name
+    except ValueError:
+        name = str(status)
+    return f"signal {name}"
+
+
+class Child:
+    """A process the manager execs, watches through a pidfd and may restart."""
+
+    def __init__(self, component: str, kind: str, model: str | None, log_path: Path,
+                 on_change: Callable[["Child", str], None]):
+        self.component = component
+        self.kind = kind
+        self.model = model
+        self.log_path = log_path
+        self.on_change = on_change
+        self.state = "stopped"
+        self.since = time.time()
+        self.started_at: float | None = None
+        self.popen: subprocess.Popen | None = None
+        self.pidfd: int | None = None
+        self.restarts = 0
+        self.starts = 0
+        self.last_exit: str | None = None
+        self.exit_ok = False
+        self.expected_exit = False
+        self.exited_waiters: list = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None and self.pidfd is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.pidfd is not None
+
+    def set(self, state: str, detail: str = "") -> None:
+        assert state in STATES, state
+        if state == self.state and not detail:
+            return
+        self.state = state
+        self.since = time.time()
+        self.on_change(self, detail)
+
+    def spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
+        """Exec the child. Must run on the event-loop thread (PDEATHSIG follows it)."""
+        self._rotate_log()
+        log = open(self.log_path, "ab", buffering=0)
+        try:
+            self.popen = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=pass_fds, close_fds=True, start_new_session=False,
+            )
+        finally:
+            log.close()
+        self.pidfd = os.pidfd_open(self.popen.pid)
+        self.started_at = time.time()
+        if self.starts:
+            self.restarts += 1
+        self.starts += 1
+        self.expected_exit = False
+        self.set("starting")
+
+    def reap(self) -> str:
+        """Collect the exit status through the pidfd; return it in words."""
+        assert self.pidfd is not None and self.popen is not None
+        try:
+            info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            info = None
+        os.close(self.pidfd)
+        self.pidfd = None
+        if info is None:
+            self.popen.returncode = -1
+            self.last_exit = "exited (status unknown)"
+            self.exit_ok = False
+        else:
+            self.popen.returncode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            self.last_exit = describe_exit(info.si_status, info.si_code)
+            self.exit_ok = info.si_code == os.CLD_EXITED and info.si_status == 0
+        for fut in self.exited_waiters:
+            if not fut.done():
+                fut.set_result(self.last_exit)
+        self.exited_waiters.clear()
+        return self.last_exit
+
+    def signal(self, sig: int) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 20) -> list[str]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16384))
+                data = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return data.splitlines()[-lines:]
+
+    def _rotate_log(self) -> None:
+        try:
+            if self.log_path.stat().st_size > LOG_ROTATE_BYTES:
+                os.replace(self.log_path, self.log_path.with_suffix(".log.1"))
+        except FileNotFoundError:
+            pass

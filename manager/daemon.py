@@ -1,0 +1,602 @@
+"""The manager: started first, owns every other process, supervises them.
+
+It never imports torch or vLLM. Every child is a fresh interpreter exec'd
+from the event-loop thread (PDEATHSIG follows the thread that forked), learned
+dead through its pidfd (``loop.add_reader``), and reaped with
+``waitid(P_PIDFD)``. Signal handlers only enqueue work on the loop. Time
+passes here only in restart backoff and in the grace periods of a stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine_core.protocol import EngineSpec  # plain msgspec: no vLLM import
+from manager import protocol as P
+from manager.children import Child, RestartPolicy
+from manager.sdnotify import notify
+from servectl import config as C
+from servectl.paths import RuntimePaths, ensure_private_dir, resolve_runtime_dir
+from servectl.proc import INSTANCE_ENV, PARENT_ENV, become_subreaper, die_with_parent, processes_of_instance
+
+log = logging.getLogger("manager")
+
+# What every engine and worker gets: no hub lookups for local paths, no usage
+# reporting thread, vLLM's engine in-process (we are its multiprocessing).
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class EngineGroup:
+    """An engine_core and its workers: started, stopped and restarted as a unit."""
+
+    def __init__(self, cfg: C.ModelConfig, manager: "Manager"):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.manager = manager
+        m = manager.cfg.manager
+        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s)
+        logs = manager.log_dir
+        self.engine = Child(f"engine_core:{cfg.name}", "engine_core", cfg.name, logs / f"engine_core-{cfg.name}.log",
+                            manager.on_child_change)
+        self.workers = [
+            Child(f"worker:{cfg.name}:{r}", "worker", cfg.name, logs / f"worker-{cfg.name}-{r}.log", manager.on_child_change)
+            for r in range(cfg.tensor_parallel_size)
+        ]
+        self.state = "stopped"
+        self.reason: str | None = None
+        self.incarnation = ""
+        self.frozen = False
+        self.freezing = m.freeze_grace_s > 0
+        self.restart_timer: asyncio.TimerHandle | None = None
+        self.stopping = False
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.engine, *self.workers]
+
+    def set_state(self, state: str, reason: str | None = None) -> None:
+        self.state = state
+        if reason is not None or state in ("ready", "starting"):
+            self.reason = reason
+        for child in self.children:
+            if child.alive or state in ("failed", "stopped", "backoff"):
+                child.set(state if state != "exited" else child.state, reason or "")
+        self.manager.on_group_change(self)
+
+    def start(self) -> None:
+        self.restart_timer = None
+        self.stopping = False
+        self.frozen = False
+        self.incarnation = secrets.token_hex(6)
+        key = secrets.token_bytes(32)
+        mgr = self.manager
+        base = mgr.child_env(ENGINE_ENV | self.cfg.env)
+        if self.cfg.devices is not None:
+            base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
+        worker_env = dict(base)
+        # Share the cores between the ranks unless the operator said otherwise.
+        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.tensor_parallel_size)))
+        for rank, worker in enumerate(self.workers):
+            fd = key_pipe(key)
+            try:
+                worker.spawn([sys.executable, "-m", "engine_core.worker", "--model", self.name, "--rank", str(rank),
+                              "--runtime-dir", str(mgr.paths.root), "--key-fd", str(fd)], worker_env, (fd,))
+            finally:
+                os.close(fd)
+            mgr.watch(worker)
+        m = mgr.cfg.manager
+        spec = msgspec.json.encode(EngineSpec(
+            model=self.cfg, runtime_dir=str(mgr.paths.root), incarnation=self.incarnation,
+            freeze_grace_s=m.freeze_grace_s if self.freezing else 0.0,
+            worker_reply_timeout_s=m.worker_reply_timeout_s)).decode()
+        fd = key_pipe(key)
+        pidfds = [w.pidfd for w in self.workers]
+        engine_env = dict(base)
+        engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
+        try:
+            self.engine.spawn([sys.executable, "-m", "engine_core", "--spec", spec, "--key-fd", str(fd),
+                               "--worker-pidfds", ",".join(map(str, pidfds))], engine_env, (fd, *pidfds))
+        finally:
+            os.close(fd)
+        mgr.watch(self.engine)
+        self.set_state("starting")
+
+    def on_ready(self, incarnation: str) -> None:
+        if incarnation != self.incarnation or self.stopping:
+            return
+        self.set_state("ready")
+
+    def on_member_exit(self, child: Child) -> None:
+        if self.stopping:
+            return
+        if self.state not in ("exited",):
+            self.reason = f"{child.component} {child.last_exit}"
+            self.frozen = False
+            self.state = "exited"
+            child.set("exited", child.last_exit or "")
+            self.manager.on_group_change(self)
+            for other in self.children:
+                if other.alive:
+                    other.signal(signal.SIGCONT)
+                    other.signal(signal.SIGKILL)
+        if any(c.alive for c in self.children):
+            return  # wait until every member is gone, then decide
+        delay = self.policy.record_exit(time.monotonic())
+        if delay is None:
+            self.set_state("failed", f"{self.reason}; {self.policy.crash_loop_count} exits within "
+                                     f"{self.policy.window_s:g}s")
+            log.error("model %s failed: %s", self.name, self.reason)
+            return
+        log.warning("model %s: %s; restarting in %.1fs", self.name, self.reason, delay)
+        self.set_state("backoff", self.reason)
+        self.restart_timer = asyncio.get_running_loop().call_later(delay, self.start)
+
+    def kill_hung(self) -> None:
+        """Thaw (a SIGKILL needs no thaw, but a later SIGTERM would) and kill: on_member_exit restarts."""
+        for c in self.children:
+            c.signal(signal.SIGCONT)
+        self.engine.signal(signal.SIGKILL)
+
+    async def stop(self, grace_s: float) -> None:
+        self.stopping = True
+        if self.restart_timer:
+            self.restart_timer.cancel()
+            self.restart_timer = None
+        alive = [c for c in self.children if c.alive]
+        if alive:
+            self.state = "stopping"
+            for c in alive:
+                c.set("stopping")
+            self.manager.on_group_change(self)
+            # Thaw first: a SIGTERM stays pending on a stopped process.
+            for c in alive:
+                c.signal(signal.SIGCONT)
+                c.signal(signal.SIGTERM)
+            await self.manager.wait_exit(alive, grace_s)
+        self.frozen = False
+        self.set_state("stopped")
+
+    async def restart(self, grace_s: float) -> None:
+        await self.stop(grace_s)
+        self.policy.reset()
+        self.start()
+
+
+def key_pipe(key: bytes) -> int:
+    """A pipe holding the group key; returns the read end (to pass to a child)."""
+    r, w = os.pipe()
+    os.write(w, key)
+    os.close(w)
+    return r
+
+
+class Gateway:
+    def __init__(self, index: int, manager: "Manager"):
+        m = manager.cfg.manager
+        self.index = index
+        self.child = Child(f"gateway:{index}", "gateway", None, manager.log_dir / f"gateway-{index}.log",
+                           manager.on_child_change)
+        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s)
+        self.restart_timer: asyncio.TimerHandle | None = None
+        self.peer = ""
+
+
+class Manager:
+    def __init__(self, cfg: C.Config, paths: RuntimePaths, instance: str, state_dir: Path):
+        self.cfg = cfg
+        self.paths = paths
+        self.instance = instance
+        self.state_dir = state_dir
+        self.log_dir = ensure_private_dir(state_dir / "logs")
+        self.started_at = time.time()
+        self.state = "starting"
+        self.exit_code = 0
+        self.ctx = zmq.asyncio.Context()
+        self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}
+        self.gateways = [Gateway(i, self) for i in range(cfg.gateway.processes)]
+        self.settled_waiters: list[bytes] = []
+        self.shutdown_started = False
+        self.done = asyncio.Event()
+        self.listen_sock: socket.socket | None = None
+        self.port = cfg.gateway.port
+        # Gateways' prometheus multiprocess files: fresh for each manager.
+        self.metrics_dir = paths.root / "metrics"
+        if self.metrics_dir.exists():
+            for f in self.metrics_dir.iterdir():
+                f.unlink()
+        ensure_private_dir(self.metrics_dir)
+
+    # ---- children ------------------------------------------------------------
+    def child_env(self, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)  # only the manager talks to systemd
+        env.pop("WATCHDOG_USEC", None)
+        env.update(extra)
+        env[INSTANCE_ENV] = self.instance
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        # Children import our packages from wherever the manager did.
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def watch(self, child: Child) -> None:
+        asyncio.get_running_loop().add_reader(child.pidfd, self._on_exit, child)
+
+    def _on_exit(self, child: Child) -> None:
+        asyncio.get_running_loop().remove_reader(child.pidfd)
+        how = child.reap()
+        # Orphans reparented to us (we are a subreaper) are reaped here: their
+        # parent's exit is the event that made them ours. (uvloop owns SIGCHLD.)
+        self.reap_strays()
+        log.info("%s (pid %s) exited: %s", child.component, child.popen.pid, how)
+        if child.kind == "gateway":
+            self._on_gateway_exit(self.gateways[int(child.component.split(":")[1])])
+        else:
+            self.groups[child.model].on_member_exit(child)
+        self._check_settled()
+
+    def start_gateway(self, gw: Gateway) -> None:
+        gw.restart_timer = None
+        spec = msgspec.json.encode({
+            "index": gw.index, "runtime_dir": str(self.paths.root), "instance": self.instance,
+            "gateway": self.cfg.gateway, "models": [m.name for m in self.cfg.models],
+            "drain_timeout_s": self.cfg.manager.drain_timeout_s,
+        }).decode()
+        fd = self.listen_sock.fileno()
+        env = self.child_env({"PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)})
+        gw.child.spawn([sys.executable, "-m", "api_gateway", "--spec", spec, "--listen-fd", str(fd)], env, (fd,))
+        gw.peer = f"gw-{gw.index}-{gw.child.pid}"
+        self.watch(gw.child)
+
+    def _on_gateway_exit(self, gw: Gateway) -> None:
+        # Its in-flight requests would otherwise run on in the engines.
+        for group in self.groups.values():
+            self.send_to_engine(group, P.AbortPeer(peer=gw.peer))
+        if self.shutdown_started:
+            gw.child.set("stopped", gw.child.last_exit or "")
+            return
+        gw.child.set("exited", gw.child.last_exit or "")
+        delay = gw.policy.record_exit(time.monotonic())
+        if delay is None:
+            gw.child.set("failed", f"{gw.child.last_exit}; crash loop")
+            return
+        gw.child.set("backoff")
+        gw.restart_timer = asyncio.get_running_loop().call_later(delay, self.start_gateway, gw)
+
+    def send_to_engine(self, group: EngineGroup, msg) -> None:
+        if group.engine.alive:
+            try:
+                self.control.send_multipart([f"engine:{group.name}".encode(), P.encoder.encode(msg)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    async def wait_exit(self, children: list[Child], grace_s: float) -> None:
+        """Wait for children to exit; SIGKILL whoever outlives the grace."""
+        loop = asyncio.get_running_loop()
+        futs = []
+        for c in children:
+            if c.alive:
+                fut = loop.create_future()
+                c.exited_waiters.append(fut)
+                futs.append(fut)
+        if not futs:
+            return
+        _, pending = await asyncio.wait(futs, timeout=grace_s)
+        if pending:
+            for c in children:
+                if c.alive:
+                    log.warning("%s did not stop within %.0fs: SIGKILL", c.component, grace_s)
+                    c.signal(signal.SIGCONT)
+                    c.signal(signal.SIGKILL)
+            await asyncio.wait(pending)
+
+    # ---- state changes -----------------------------------------------------------
+    def on_child_change(self, child: Child, detail: str) -> None:
+        ev = P.Event(component=child.component, kind=child.kind, model=child.model, state=child.state,
+                     pid=child.popen.pid if child.popen else None, time=time.time(),
+                     incarnation=self.groups[child.model].incarnation if child.model else "", detail=detail,
+                     restarts=child.restarts)
+        self.publish(ev)
+
+    def on_group_change(self, group: EngineGroup) -> None:
+        self.publish(P.Event(component=f"model:{group.name}", kind="model", model=group.name, state=group.state,
+                             pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
+                             detail=group.reason or ""))
+        notify(f"STATUS=model {group.name}: {group.state}")
+        self._check_settled()
+
+    def publish(self, ev: P.Event) -> None:
+        try:
+            self.events.send(P.encoder.encode(ev), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def settled(self) -> bool:
+        return all(g.state in ("ready", "failed") for g in self.groups.values()) and all(
+            gw.child.state in ("ready", "failed") for gw in self.gateways)
+
+    def _check_settled(self) -> None:
+        if self.shutdown_started or not self.settled():
+            return
+        if self.state == "starting":
+            self.state = "running"
+            failed = [g.name for g in self.groups.values() if g.state == "failed"]
+            notify("READY=1\nSTATUS=" + ("serving" if not failed else f"serving; failed: {', '.join(failed)}"))
+            log.info("settled: %s", {g.name: g.state for g in self.groups.values()})
+        waiters, self.settled_waiters = self.settled_waiters, []
+        for ident in waiters:
+            self.reply(ident, self.status())
+
+    # ---- control socket ------------------------------------------------------------
+    def reply(self, ident: bytes, msg) -> None:
+        try:
+            self.control.send_multipart([ident, P.encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("cannot reply to %r: %s", ident, exc)
+
+    async def serve_control(self) -> None:
+        while True:
+            frames = await self.control.recv_multipart()
+            if len(frames) < 2:
+                continue
+            ident, body = frames[0], frames[-1]
+            try:
+                msg = P.control_in_decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("rejected control frame from %r: %s", ident[:32], exc)
+                self.reply(ident, P.Ack(ok=False, message=f"bad request: {exc}"))
+                continue
+            try:
+                self.handle(ident, msg)
+            except Exception:  # a bug in one handler must not take the supervisor down
+                log.exception("control message %r failed", msg)
+                self.reply(ident, P.Ack(ok=False, message="internal error; see the manager log"))
+
+    def handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, P.ChildReady):
+            self._on_child_ready(msg)
+        elif isinstance(msg, P.GroupFrozen):
+            group = self.groups.get(msg.model)
+            if group and group.engine.alive:
+                group.frozen = msg.frozen
+                self.on_group_change(group)
+        elif isinstance(msg, P.GroupHung):
+            group = self.groups.get(msg.model)
+            if group and group.incarnation == msg.incarnation and group.state == "ready":
+                log.error("model %s: a gateway saw no output in time; the group is hung, restarting it", msg.model)
+                group.kill_hung()
+        elif isinstance(msg, P.StatusRequest):
+            self.reply(ident, self.status())
+        elif isinstance(msg, P.WaitSettled):
+            if self.settled() and not self.shutdown_started:
+                self.reply(ident, self.status())
+            else:
+                self.settled_waiters.append(ident)
+        elif isinstance(msg, P.StopRequest):
+            self.reply(ident, P.Ack(ok=True, message="stopping"))
+            self.request_shutdown(msg.timeout_s)
+        elif isinstance(msg, P.RestartRequest):
+            self._restart(ident, msg.model)
+        elif isinstance(msg, P.SetFreezing):
+            group = self.groups.get(msg.model)
+            if group is None:
+                self.reply(ident, P.Ack(ok=False, message=f"no model {msg.model!r}"))
+                return
+            group.freezing = msg.enabled
+            self.send_to_engine(group, P.FreezingControl(enabled=msg.enabled))
+            self.reply(ident, P.Ack(ok=True, message=f"freezing {'on' if msg.enabled else 'off'} for {msg.model}"))
+
+    def _on_child_ready(self, msg: P.ChildReady) -> None:
+        if msg.component.startswith("engine_core:"):
+            group = self.groups.get(msg.component.split(":", 1)[1])
+            if group and group.engine.pid == msg.pid:
+                group.on_ready(msg.incarnation)
+        elif msg.component.startswith("gateway:"):
+            idx = int(msg.component.split(":")[1])
+            if idx < len(self.gateways) and self.gateways[idx].child.pid == msg.pid:
+                self.gateways[idx].child.set("ready")
+                self._check_settled()
+
+    def _restart(self, ident: bytes, model: str | None) -> None:
+        if model is not None and model not in self.groups:
+            self.reply(ident, P.Ack(ok=False, message=f"no model {model!r}; served: {', '.join(self.groups)}"))
+            return
+        targets = [self.groups[model]] if model else list(self.groups.values())
+
+        async def run():
+            for group in targets:  # one at a time: the others keep serving
+                await group.restart(self.cfg.manager.stop_grace_s)
+
+        asyncio.get_running_loop().create_task(run())
+        self.reply(ident, P.Ack(ok=True, message=f"restarting {', '.join(g.name for g in targets)}"))
+
+    def status(self) -> P.StatusReply:
+        children = []
+        for c in [gw.child for gw in self.gateways] + [c for g in self.groups.values() for c in g.children]:
+            state = c.state
+            group = self.groups.get(c.model) if c.model else None
+            if group and group.frozen and c.kind == "worker" and state == "ready":
+                state = "idle (frozen)"
+            children.append(P.ChildStatus(
+                component=c.component, kind=c.kind, model=c.model, pid=c.pid, ppid=_ppid(c.pid),
+                state=state, since=c.since, started_at=c.started_at if c.alive else None, restarts=c.restarts,
+                last_exit=c.last_exit, last_log=c.tail(15) if c.state in ("failed", "backoff", "exited") else []))
+        models = [P.ModelStatus(name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation,
+                                reason=g.reason) for g in self.groups.values()]
+        return P.StatusReply(version=P.PROTOCOL_VERSION, instance=self.instance, manager_pid=os.getpid(),
+                             started_at=self.started_at, state=self.state, port=self.port,
+                             host=self.cfg.gateway.host, children=children, models=models)
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def request_shutdown(self, timeout_s: float | None = None) -> None:
+        if not self.shutdown_started:
+            self.shutdown_started = True
+            asyncio.get_running_loop().create_task(self.shutdown(timeout_s))
+
+    async def shutdown(self, timeout_s: float | None) -> None:
+        self.state = "stopping"
+        notify("STOPPING=1")
+        drain = self.cfg.manager.drain_timeout_s if timeout_s is None else timeout_s
+        grace = self.cfg.manager.stop_grace_s
+        log.info("stopping: draining gateways (up to %.0fs)", drain)
+        for gw in self.gateways:
+            if gw.restart_timer:
+                gw.restart_timer.cancel()
+            if gw.child.alive:
+                gw.child.set("stopping")
+                gw.child.signal(signal.SIGTERM)  # the gateway drains, then exits
+        await self.wait_exit([gw.child for gw in self.gateways], drain + grace)
+        for group in self.groups.values():
+            await group.stop(grace)
+        self.kill_strays()
+        self.state = "stopped"
+        self.done.set()
+
+    def kill_strays(self) -> None:
+        """Kill grandchildren reparented to us (we are their subreaper)."""
+        me = os.getpid()
+        for pid in processes_of_instance(self.instance):
+            if pid != me:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.reap_strays()
+
+    def reap_strays(self) -> None:
+        """Reap exited orphans reparented to us; our own children are reaped through pidfds."""
+        ours = {c.popen.pid for g in self.groups.values() for c in g.children if c.popen} | {
+            gw.child.popen.pid for gw in self.gateways if gw.child.popen}
+        me = str(os.getpid())
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in ours:
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] == "Z":
+                try:
+                    os.waitpid(int(entry.name), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown)
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.events = self.ctx.socket(zmq.PUB)
+        self.events.setsockopt(zmq.LINGER, 0)
+        old = os.umask(0o177)
+        try:
+            self.control.bind(RuntimePaths.ipc(self.paths.control))
+            self.events.bind(RuntimePaths.ipc(self.paths.events))
+        finally:
+            os.umask(old)
+        self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
+        self.listen_sock = socket.create_server((self.cfg.gateway.host, self.cfg.gateway.port), backlog=1024)
+        self.listen_sock.set_inheritable(True)
+        self.port = self.listen_sock.getsockname()[1]
+        log.info("manager %d: runtime %s, gateway on %s:%d", os.getpid(), self.paths.root, self.cfg.gateway.host,
+                 self.port)
+        control_task = loop.create_task(self.serve_control())
+        for group in self.groups.values():
+            group.start()
+        for gw in self.gateways:
+            self.start_gateway(gw)
+        await self.done.wait()
+        control_task.cancel()
+        for path in (self.paths.control, self.paths.events, self.paths.pidfile):
+            path.unlink(missing_ok=True)
+        self.ctx.destroy(linger=0)
+        return self.exit_code
+
+
+def _ppid(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def check_not_running(paths: RuntimePaths) -> None:
+    """Refuse to start over a live manager; clean what a dead one left."""
+    try:
+        pid_text, instance = paths.pidfile.read_text().split()[:2]
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        pid, instance = None, None
+    if pid is not None:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            env = []
+        if f"{INSTANCE_ENV}={instance}".encode() in env:
+            raise SystemExit(f"servectl manager already running (pid {pid}) in {paths.root}")
+    # Stale: sockets and pid file of a dead manager are never trusted.
+    for entry in paths.root.iterdir():
+        if entry.name in ("control", "events", "manager.pid") or entry.name.startswith(("engine-", "worker-", "dist-")):
+            entry.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m manager")
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--instance", default=None)
+    ap.add_argument("--die-with-parent", action="store_true",
+                    help="library mode: exit when the starting process dies")
+    ap.add_argument("--parent-pipe-fd", type=int, default=None,
+                    help="library mode: exit when this pipe reaches end of file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("SERVECTL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s manager %(levelname)s %(message)s", stream=sys.stderr)
+    cfg = C.decode(args.config_json)
+    if args.die_with_parent:
+        die_with_parent()
+    root = ensure_private_dir(resolve_runtime_dir(cfg.manager.runtime_dir))
+    paths = RuntimePaths(root)
+    check_not_running(paths)
+    state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
+    ensure_private_dir(state_dir)
+    instance = args.instance or secrets.token_hex(8)
+    os.environ[INSTANCE_ENV] = instance
+    become_subreaper()
+    import uvloop
+
+    manager = Manager(cfg, paths, instance, state_dir)
+
+    async def run() -> int:
+        if args.parent_pipe_fd is not None:
+            # End of file on this pipe means the script that started us is gone.
+            loop = asyncio.get_running_loop()
+            loop.add_reader(args.parent_pipe_fd, lambda: (loop.remove_reader(args.parent_pipe_fd),
+                                                          manager.request_shutdown(0)))
+        return await manager.run()
+
+    return uvloop.run(run())

@@ -1,0 +1,150 @@
+"""Messages on the manager's control (ROUTER) and events (PUB) sockets.
+
+One tagged union per direction; every frame is decoded with a typed decoder so
+a malformed or unknown frame is dropped (and logged), never a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
+    pass
+
+
+# ---- children → manager -------------------------------------------------
+
+class ChildReady(_Msg, tag="child_ready"):
+    """Sent once by a child when it can do its job (readiness is never a timer)."""
+
+    component: str
+    pid: int
+    incarnation: str = ""
+    detail: str = ""
+
+
+class GroupFrozen(_Msg, tag="group_frozen"):
+    """The engine froze (frozen=True) or thawed its workers."""
+
+    model: str
+    frozen: bool
+
+
+class GroupHung(_Msg, tag="group_hung"):
+    """A gateway saw no engine output for too long while requests were in flight."""
+
+    model: str
+    incarnation: str
+
+
+# ---- clients → manager ---------------------------------------------------
+
+class StatusRequest(_Msg, tag="status"):
+    pass
+
+
+class WaitSettled(_Msg, tag="wait_settled"):
+    """Reply when every model is ready or failed (the CLI's `start` waits on it)."""
+
+
+class StopRequest(_Msg, tag="stop"):
+    timeout_s: float | None = None
+
+
+class RestartRequest(_Msg, tag="restart"):
+    model: str | None = None
+
+
+class SetFreezing(_Msg, tag="set_freezing"):
+    """Enable or disable freezing idle workers of a model (a diagnostic)."""
+
+    model: str
+    enabled: bool
+
+
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing]
+
+
+# ---- manager → clients ---------------------------------------------------
+
+class ChildStatus(msgspec.Struct, kw_only=True):
+    component: str
+    kind: str
+    model: str | None
+    pid: int | None
+    ppid: int | None
+    state: str
+    since: float
+    started_at: float | None
+    restarts: int
+    last_exit: str | None
+    last_log: list[str] = []
+
+
+class ModelStatus(msgspec.Struct, kw_only=True):
+    name: str
+    state: str
+    frozen: bool
+    incarnation: str
+    reason: str | None = None
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    version: int
+    instance: str
+    manager_pid: int
+    started_at: float
+    state: str
+    port: int
+    host: str
+    children: list[ChildStatus]
+    models: list[ModelStatus]
+
+
+class Ack(_Msg, tag="ack"):
+    ok: bool
+    message: str = ""
+
+
+ControlOut = Union[StatusReply, Ack]
+
+
+# ---- manager → engine (over the control socket) ---------------------------
+
+class AbortPeer(_Msg, tag="abort_peer"):
+    """A gateway died: drop every request it sent."""
+
+    peer: str
+
+
+class FreezingControl(_Msg, tag="freezing_control"):
+    enabled: bool
+
+
+ToEngine = Union[AbortPeer, FreezingControl]
+
+
+# ---- events (PUB) ----------------------------------------------------------
+
+class Event(msgspec.Struct, kw_only=True):
+    component: str
+    kind: str
+    model: str | None
+    state: str
+    pid: int | None
+    time: float
+    incarnation: str = ""
+    detail: str = ""
+    restarts: int = 0
+
+
+control_in_decoder = msgspec.msgpack.Decoder(ControlIn)
+control_out_decoder = msgspec.msgpack.Decoder(ControlOut)
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+event_decoder = msgspec.msgpack.Decoder(Event)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,346 @@
+"""`servectl`: the operator's command line. Talks to the manager only through
+its control socket; never imports torch or vLLM.
+
+Exit codes: 0 success; 1 failure (e.g. a model failed to start); 2 usage or
+config error; 3 the daemon is not running (as `systemctl status`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from manager import protocol as P
+from servectl import config as C
+from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
+from servectl.paths import resolve_runtime_dir
+
+console = Console()
+err = Console(stderr=True)
+NOT_RUNNING = 3
+
+
+def runtime_option(f):
+    return click.option("--runtime-dir", envvar="SERVECTL_RUNTIME_DIR",
+                        help="Runtime directory (default: /run/servectl if it has a daemon, "
+                             "else $XDG_RUNTIME_DIR/servectl, else $TMPDIR/servectl-$UID).")(f)
+
+
+def client_for(runtime_dir: str | None, timeout: float = 10.0) -> ControlClient:
+    return ControlClient(resolve_runtime_dir(runtime_dir), timeout_s=timeout)
+
+
+def not_running(exc: NotRunning) -> None:
+    err.print(f"[yellow]{exc}[/yellow]")
+    sys.exit(NOT_RUNNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="servectl")
+def main() -> None:
+    """Serve LLMs with a supervisor that owns every process."""
+
+
+def build_config(config: str | None, runtime_dir: str | None, host: str | None, port: int | None,
+                 model: str | None, name: str | None, tp: int | None, gateways: int | None,
+                 engine_args: tuple[str, ...], freeze_grace: float | None) -> C.Config:
+    cfg, _ = C.load_config(config)
+    if runtime_dir:
+        cfg.manager.runtime_dir = runtime_dir
+    if host:
+        cfg.gateway.host = host
+    if port is not None:
+        cfg.gateway.port = port
+    if gateways:
+        cfg.gateway.processes = gateways
+    if freeze_grace is not None:
+        cfg.manager.freeze_grace_s = freeze_grace
+    if model or name or tp or engine_args:
+        target = cfg.models[0]
+        if model:
+            target.model = model
+        if name:
+            target.name = name
+        if tp:
+            target.tensor_parallel_size = tp
+        for item in engine_args:
+            key, _, value = item.partition("=")
+            try:
+                target.engine_args[key.replace("-", "_")] = json.loads(value)
+            except json.JSONDecodeError:
+                target.engine_args[key.replace("-", "_")] = value
+    try:
+        return msgspec.convert(msgspec.to_builtins(cfg), C.Config)  # re-validate the overrides
+    except msgspec.ValidationError as exc:
+        raise C.ConfigError(f"bad option: {exc}") from None
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
+@runtime_option
+@click.option("--host", help="Gateway address (default 127.0.0.1).")
+@click.option("--port", type=int, help="Gateway port (default 8000; 0 picks a free one).")
+@click.option("--model", help="Model directory to serve (default: the bundled model).")
+@click.option("--name", help="Name clients use in `model` (default: 'default').")
+@click.option("--tensor-parallel-size", "--tp", "tp", type=int, help="Worker processes for the model.")
+@click.option("--gateways", type=int, help="Gateway processes sharing the port.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="vLLM engine argument.")
+@click.option("--freeze-grace", type=float, help="Seconds idle before workers are frozen (0: never).")
+@click.option("--foreground", is_flag=True, help="Run the manager in this process (for systemd).")
+@click.option("--timeout", type=float, default=600, show_default=True, help="Seconds to wait for ready.")
+def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engine_args, freeze_grace, foreground,
+          timeout):
+    """Start the daemon and wait until every model is ready or failed."""
+    try:
+        cfg = build_config(config_path, runtime_dir, host, port, model, name, tp, gateways, engine_args,
+                           freeze_grace)
+    except C.ConfigError as exc:
+        err.print(f"[red]{exc}[/red]")
+        sys.exit(2)
+    root = resolve_runtime_dir(cfg.manager.runtime_dir)
+    cfg.manager.runtime_dir = str(root)
+    client = ControlClient(root, timeout_s=3)
+    if client.running():
+        err.print(f"servectl is already running in {root}")
+        sys.exit(1)
+    config_json = C.encode(cfg).decode()
+    if foreground:
+        from servectl.client import child_env, manager_command
+
+        argv = manager_command(config_json)
+        os.execve(argv[0], argv, child_env())
+    state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
+    proc = spawn_manager(config_json, state_dir / "logs" / "manager.log")
+    console.print(f"servectl: manager pid {proc.pid}, runtime {root}")
+
+    def show(ev: P.Event) -> None:
+        if ev.kind == "model":
+            return
+        color = {"ready": "green", "failed": "red", "exited": "yellow", "backoff": "yellow"}.get(ev.state, "cyan")
+        extra = f" ({ev.detail})" if ev.detail else ""
+        console.print(f"  {ev.component:<28} pid {ev.pid or '-':<8} [{color}]{ev.state}[/{color}]{extra}")
+
+    try:
+        with console.status("starting…"):
+            reply = wait_settled(client, proc.pid, timeout, show)
+    except NotRunning:
+        err.print("[red]the manager exited during start[/red]; its log:")
+        log = state_dir / "logs" / "manager.log"
+        err.print("\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else "(none)")
+        sys.exit(1)
+    except TimeoutError as exc:
+        err.print(f"[red]{exc}[/red]; the daemon keeps starting in the background (`servectl status`)")
+        sys.exit(1)
+    failed = [m for m in reply.models if m.state != "ready"]
+    if not failed:
+        console.print(f"[green]ready[/green]: {', '.join(m.name for m in reply.models)} on "
+                      f"http://{reply.host}:{reply.port}")
+        return
+    for m in failed:
+        err.print(f"[red]model {m.name} {m.state}[/red]: {m.reason or ''}")
+        for c in reply.children:
+            if c.model == m.name and c.last_log:
+                err.print(f"  last lines of {c.component}:")
+                for line in c.last_log[-10:]:
+                    err.print(f"    {line}", markup=False, highlight=False)
+    sys.exit(1)
+
+
+@main.command()
+@runtime_option
+@click.option("--timeout", type=float, default=None, help="Drain timeout in seconds (default: the config's).")
+def stop(runtime_dir, timeout):
+    """Drain and stop the daemon; exits 0 if it was not running."""
+    client = client_for(runtime_dir, timeout=5)
+    try:
+        status = client.status()
+    except NotRunning:
+        console.print(f"servectl is not running (runtime dir {client.paths.root})")
+        return
+    pid = status.manager_pid
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    client.request(P.StopRequest(timeout_s=timeout))
+    import select
+
+    with console.status(f"stopping (manager pid {pid})…"):
+        poll = select.poll()
+        poll.register(pidfd, select.POLLIN)
+        poll.poll()  # the pidfd becomes readable when the manager exits
+    os.close(pidfd)
+    console.print("stopped")
+
+
+def fmt_age(since: float | None) -> str:
+    if not since:
+        return "-"
+    s = int(time.time() - since)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def proc_usage(pid: int | None) -> tuple[str, str]:
+    if not pid:
+        return "-", "-"
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])
+        start = int(fields[19])
+        hz = os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = max(1e-3, uptime - start / hz)
+        return f"{rss_kb / 1024:.0f} MiB", f"{100 * ticks / hz / age:.1f}%"
+    except (OSError, StopIteration, ValueError, IndexError):
+        return "-", "-"
+
+
+@main.command()
+@runtime_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(runtime_dir, as_json):
+    """Show every process of the tree; exit 0 only if every model is ready."""
+    client = client_for(runtime_dir)
+    try:
+        st = client.status()
+    except NotRunning as exc:
+        not_running(exc)
+    ok = all(m.state == "ready" for m in st.models)
+    if as_json:
+        click.echo(msgspec.json.encode(st).decode())
+        sys.exit(0 if ok else 1)
+    console.print(f"manager pid {st.manager_pid}, {st.state}, up {fmt_age(st.started_at)}, "
+                  f"http://{st.host}:{st.port}, instance {st.instance}")
+    table = Table(show_lines=False)
+    for col in ("component", "model", "pid", "state", "uptime", "restarts", "RSS", "CPU%", "last exit"):
+        table.add_column(col)
+    for c in st.children:
+        rss, cpu = proc_usage(c.pid)
+        color = {"ready": "green", "idle (frozen)": "blue", "failed": "red"}.get(c.state, "yellow")
+        table.add_row(c.component, c.model or "-", str(c.pid or "-"), f"[{color}]{c.state}[/{color}]",
+                      fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")
+    console.print(table)
+    for m in st.models:
+        if m.state == "failed":
+            console.print(f"[red]model {m.name} failed[/red]: {m.reason}")
+            for c in st.children:
+                if c.model == m.name and c.last_log:
+                    console.print(f"  last lines of {c.component}:")
+                    for line in c.last_log[-8:]:
+                        console.print(f"    {line}", markup=False, highlight=False)
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@runtime_option
+@click.argument("model", required=False)
+def restart(runtime_dir, model):
+    """Restart one model's engine group (clears `failed`), or every group one at a time."""
+    client = client_for(runtime_dir)
+    try:
+        reply = client.request(P.RestartRequest(model=model))
+    except NotRunning as exc:
+        not_running(exc)
+    (console if reply.ok else err).print(reply.message)
+    sys.exit(0 if reply.ok else 1)
+
+
+@main.command()
+@runtime_option
+@click.argument("model")
+@click.argument("state", type=click.Choice(["on", "off"]))
+def freeze(runtime_dir, model, state):
+    """Turn freezing of a model's idle workers on or off (diagnostics)."""
+    client = client_for(runtime_dir)
+    try:
+        reply = client.request(P.SetFreezing(model=model, enabled=state == "on"))
+    except NotRunning as exc:
+        not_running(exc)
+    (console if reply.ok else err).print(reply.message)
+    sys.exit(0 if reply.ok else 1)
+
+
+@main.command()
+@runtime_option
+def events(runtime_dir):
+    """Follow the manager's state-change events."""
+    import zmq
+
+    client = client_for(runtime_dir)
+    try:
+        client.status()
+    except NotRunning as exc:
+        not_running(exc)
+    sub = client.ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{client.paths.events}")
+    try:
+        while True:
+            ev = P.event_decoder.decode(sub.recv())
+            stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
+            console.print(f"{stamp} {ev.component:<28} {ev.state:<10} pid {ev.pid or '-'} {ev.detail}",
+                          markup=False, highlight=False)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@runtime_option
+@click.argument("component", required=False)
+@click.option("-n", "lines", type=int, default=50, show_default=True)
+@click.option("-f", "follow", is_flag=True, help="Follow the file(s).")
+def logs(runtime_dir, component, lines, follow):
+    """Show a component's log (e.g. gateway-0, engine_core-default, manager)."""
+    root = resolve_runtime_dir(runtime_dir)
+    client = ControlClient(root)
+    state_dir = root / "state"
+    log_dir = state_dir / "logs"
+    if not log_dir.exists():
+        not_running(NotRunning(f"no logs in {log_dir}"))
+    files = sorted(log_dir.glob("*.log"))
+    if component:
+        want = component.replace(":", "-")
+        files = [f for f in files if f.stem == want or f.stem.startswith(want)]
+        if not files:
+            err.print(f"no log for {component!r}; have: {', '.join(f.stem for f in sorted(log_dir.glob('*.log')))}")
+            sys.exit(2)
+    del client
+    argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), *map(str, files)]
+    os.execvp("tail", argv)
+
+
+@main.group()
+def config():
+    """Configuration files."""
+
+
+@config.command("check")
+@click.argument("path", required=False)
+def config_check(path):
+    """Validate a config file and print the effective configuration."""
+    try:
+        cfg, found = C.load_config(path)
+    except C.ConfigError as exc:
+        err.print(f"[red]{exc}[/red]")
+        sys.exit(2)
+    bad = C.check_engine_args(cfg)
+    if bad:
+        for msg in bad:
+            err.print(f"[red]{msg}[/red]")
+        sys.exit(2)
+    console.print(f"# effective configuration ({found or 'built-in defaults'})", markup=False)
+    click.echo(msgspec.toml.encode(cfg).decode())
+
+
+if __name__ == "__main__":
+    main()

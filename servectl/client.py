@@ -1,0 +1,122 @@
+"""Talking to a running manager over its control socket (typed msgspec, never pickle)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import zmq
+
+from manager import protocol as P
+from servectl.paths import RuntimePaths
+
+
+class NotRunning(Exception):
+    """No manager answers in this runtime directory."""
+
+
+class ControlClient:
+    def __init__(self, runtime_dir: Path, timeout_s: float = 10.0):
+        self.paths = RuntimePaths(Path(runtime_dir))
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context.instance()
+
+    def request(self, msg, timeout_s: float | None = None):
+        if not self.paths.control.exists():
+            raise NotRunning(f"servectl is not running (no control socket in {self.paths.root})")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(RuntimePaths.ipc(self.paths.control))
+            sock.send(P.encoder.encode(msg))
+            wait = self.timeout_s if timeout_s is None else timeout_s
+            if not sock.poll(None if wait is None or wait < 0 else int(wait * 1000)):
+                raise NotRunning(f"servectl is not running (the control socket in {self.paths.root} "
+                                 f"did not answer within {wait:g}s)")
+            return P.control_out_decoder.decode(sock.recv())
+        finally:
+            sock.close()
+
+    def status(self) -> P.StatusReply:
+        return self.request(P.StatusRequest())
+
+    def running(self) -> bool:
+        try:
+            self.status()
+            return True
+        except NotRunning:
+            return False
+
+
+def manager_command(config_json: str, extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "manager", "--config-json", config_json, *(extra or [])]
+
+
+def package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def spawn_manager(config_json: str, log_path: Path, extra: list[str] | None = None, detach: bool = True,
+                  pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(manager_command(config_json, extra), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=detach, env=child_env(),
+                                pass_fds=pass_fds, close_fds=True)
+
+
+def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: float, on_event=None):
+    """Wait until every model is ready or failed; follow events meanwhile.
+
+    Returns the final StatusReply, or raises NotRunning if the manager died.
+    """
+    ctx = client.ctx
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(RuntimePaths.ipc(client.paths.events))
+    req = ctx.socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(RuntimePaths.ipc(client.paths.control))
+    req.send(P.encoder.encode(P.WaitSettled()))
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(req, zmq.POLLIN)
+    pidfd = None
+    if manager_pid is not None:
+        try:
+            pidfd = os.pidfd_open(manager_pid)
+            poller.register(pidfd, zmq.POLLIN)
+        except ProcessLookupError:
+            raise NotRunning("the manager exited during start") from None
+    import time
+
+    end = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not settled within {timeout_s:g}s")
+            for sock, _ in poller.poll(int(left * 1000)):
+                if sock is req:
+                    return P.control_out_decoder.decode(req.recv())
+                if sock is sub:
+                    ev = P.event_decoder.decode(sub.recv())
+                    if on_event:
+                        on_event(ev)
+                if sock == pidfd:
+                    raise NotRunning("the manager exited during start")
+    finally:
+        sub.close()
+        req.close()
+        if pidfd is not None:
+            os.close(pidfd)

@@ -1,0 +1,167 @@
+"""The daemon's configuration: typed msgspec structs, decoded from TOML.
+
+Unknown keys, wrong types and bad values are errors that name the key and the
+file, raised before anything starts. The manager receives the effective
+config as JSON on its command line (it never re-reads the file itself except
+on reload).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "default"
+DEFAULT_MODEL_NAME = "default"
+CONFIG_SEARCH = (Path("servectl.toml"), Path("/etc/servectl/servectl.toml"))
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    processes: PositiveInt = 1
+    # Requests that arrive while their engine restarts wait this long.
+    hold_timeout_s: PositiveFloat = 60.0
+    # No engine output for an in-flight request this long: the group is hung.
+    output_timeout_s: PositiveFloat = 120.0
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_waiting_per_model: PositiveInt = 256
+    api_keys: list[str] = []
+    api_key_file: str | None = None
+
+
+class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    runtime_dir: str | None = None
+    state_dir: str | None = None
+    backoff_initial_s: PositiveFloat = 1.0
+    backoff_max_s: PositiveFloat = 30.0
+    crash_loop_count: PositiveInt = 5
+    crash_loop_window_s: PositiveFloat = 120.0
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    stop_grace_s: PositiveFloat = 10.0
+    # Engine's wait for a worker reply; past it the group is hung.
+    worker_reply_timeout_s: PositiveFloat = 120.0
+    # An idle engine freezes its workers after this long (0 disables).
+    freeze_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+    model: str
+    tensor_parallel_size: PositiveInt = 1
+    devices: str | None = None
+    engine_args: dict[str, Any] = {}
+    env: dict[str, str] = {}
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
+    models: list[ModelConfig] = msgspec.field(default_factory=list)
+
+
+class ConfigError(Exception):
+    pass
+
+
+# Engine settings every group gets unless the config overrides them: eager
+# mode (no compile step at start) and an explicit KV cache, so a CPU engine
+# does not reserve most of the machine's memory.
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 256 * 1024 * 1024,
+}
+
+
+def default_model() -> ModelConfig:
+    return ModelConfig(name=DEFAULT_MODEL_NAME, model=str(DEFAULT_MODEL_DIR))
+
+
+def find_config_file(explicit: str | os.PathLike | None) -> Path | None:
+    if explicit:
+        return Path(explicit)
+    for candidate in CONFIG_SEARCH:
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _explain(err: msgspec.ValidationError, path: Path | None) -> str:
+    where = f" in {path}" if path else ""
+    msg = str(err)
+    # msgspec says "... - at `$.gateway.port`"; turn that into a key path.
+    m = re.search(r"at `\$\.?(.*)`", msg)
+    key = m.group(1) if m else ""
+    key = re.sub(r"\[(\d+)\]", r"[\1]", key)
+    text = msg.split(" - at ")[0]
+    return f"config error{where}: {key + ': ' if key else ''}{text}"
+
+
+def load_config(path: str | os.PathLike | None = None) -> tuple[Config, Path | None]:
+    found = find_config_file(path)
+    if found is None:
+        cfg = Config()
+    else:
+        try:
+            raw = found.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {found}: {exc.strerror}") from None
+        try:
+            cfg = msgspec.toml.decode(raw, type=Config)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, found)) from None
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"config error in {found}: not valid TOML ({exc})") from None
+    return finalize(cfg, found), found
+
+
+def finalize(cfg: Config, path: Path | None = None) -> Config:
+    """Fill defaults that depend on other fields and check cross-field rules."""
+    if not cfg.models:
+        cfg.models = [default_model()]
+    names = [m.name for m in cfg.models]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ConfigError(f"config error{' in ' + str(path) if path else ''}: models: duplicate name(s) {sorted(dupes)}")
+    for m in cfg.models:
+        m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
+    if cfg.gateway.api_key_file:
+        try:
+            keys = Path(cfg.gateway.api_key_file).read_text().split()
+        except OSError as exc:
+            raise ConfigError(f"config error: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: {exc.strerror}") from None
+        cfg.gateway.api_keys = [*cfg.gateway.api_keys, *keys]
+    return cfg
+
+
+def encode(cfg: Config) -> bytes:
+    return msgspec.json.encode(cfg)
+
+
+def decode(data: bytes | str) -> Config:
+    return msgspec.json.decode(data, type=Config)
+
+
+def check_engine_args(cfg: Config) -> list[str]:
+    """Let vLLM judge each model's engine arguments in a short-lived process
+    (`python -m engine_core --check`), since the CLI never imports vLLM."""
+    import json
+    import subprocess
+    import sys
+
+    problems = []
+    for m in cfg.models:
+        proc = subprocess.run([sys.executable, "-m", "engine_core", "--check", "--engine-args",
+                               json.dumps(m.engine_args)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            problems.append(f"model {m.name}: {lines[-1] if lines else 'engine argument check failed'}")
+    return problems
