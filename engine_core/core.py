@@ -174,9 +174,10 @@ class EngineServer:
                                             status=400))
             return
         except Exception as exc:  # one request's failure never takes the engine down
-            log.exception("request %s failed at admission", rid)
+            # Admission only looks at the request itself, so whatever it rejects is bad input.
+            log.warning("request %s rejected at admission: %r", rid, exc)
             self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=f"engine error: {exc}", status=500))
+                                            message=f"invalid request: {exc}", status=400))
             return
         self.owner[rid] = peer
         self.by_peer[peer].add(rid)
@@ -225,6 +226,7 @@ class EngineServer:
         live = [i for i in ids if i in self.owner]
         if live:
             self.engine.abort_request(live)
+            log.info("aborted %d request(s): %s", len(live), " ".join(live[:8]))
         for rid in live:
             self._forget(rid)
 

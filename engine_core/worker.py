@@ -33,6 +33,13 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log) -> None:
     from vllm.v1.serial_utils import run_method
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    import torch
+
+    # Linux lends AMX tile registers only to a process that asks (arch_prctl);
+    # oneDNN asks when it JITs an AMX kernel, but vLLM's own AMX attention
+    # kernel does not, and dies of SIGILL if it runs first. Ask up front.
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
     wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
     while True:
         frames = sock.recv_multipart(copy=True)  # idle: blocks in the kernel

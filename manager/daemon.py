@@ -468,6 +468,8 @@ class Manager:
                 gw.child.set("stopping")
                 gw.child.signal(signal.SIGTERM)  # the gateway drains, then exits
         await self.wait_exit([gw.child for gw in self.gateways], drain + grace)
+        # No gateway accepts any more: close the socket so clients are refused, not queued.
+        self.listen_sock.close()
         for group in self.groups.values():
             await group.stop(grace)
         self.kill_strays()

@@ -1,0 +1,113 @@
+"""Garbage and forged frames on every socket are rejected; nothing dies of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from conftest import ROOT, wait_for
+from engine_core import protocol as EP
+from engine_core.signing import Signer
+from manager import protocol as MP
+
+GARBAGE = [b"\x00\xff garbage", msgspec.msgpack.encode({"type": "generate", "request_id": 5})]
+
+
+def dealer(path) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{path}")
+    return sock
+
+
+def test_engine_socket_rejects_garbage_and_keeps_serving(daemon):
+    sock = dealer(daemon.runtime_dir / "engine-default")
+    try:
+        sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
+        assert sock.poll(10000), "no hello reply"
+        before = EP.to_gateway_decoder.decode(sock.recv()).rejected_frames
+        for frame in GARBAGE:
+            sock.send(frame)
+        sock.send_multipart([b"two", b"frames"])
+        # Positive control: a well-formed hello on the same socket is answered,
+        # and it reports the three rejections.
+        sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
+        assert sock.poll(10000)
+        reply = EP.to_gateway_decoder.decode(sock.recv())
+        assert reply.rejected_frames == before + 3
+    finally:
+        sock.close()
+    assert "rejected frame" in daemon.log("engine_core:default")
+    r = daemon.openai().completions.create(model="default", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_control_socket_rejects_garbage(daemon):
+    sock = dealer(daemon.runtime_dir / "control")
+    try:
+        sock.send(b"\x93nonsense")
+        assert sock.poll(10000)
+        reply = MP.control_out_decoder.decode(sock.recv())
+        assert isinstance(reply, MP.Ack) and not reply.ok and "bad request" in reply.message
+        sock.send(MP.encoder.encode(MP.StatusRequest()))
+        assert sock.poll(10000)
+        assert isinstance(MP.control_out_decoder.decode(sock.recv()), MP.StatusReply)
+    finally:
+        sock.close()
+
+
+def test_worker_socket_rejects_unsigned_and_forged_frames_in_the_daemon(daemon):
+    worker = daemon.child("worker:default:0")
+    sock = dealer(daemon.runtime_dir / "worker-default-0")
+    forged = Signer(os.urandom(32)).dumps((1, "shutdown", (), {}, None))
+    try:
+        sock.send(b"garbage")
+        sock.send_multipart(forged)
+        # A worker never answers a rejected frame.
+        assert not sock.poll(1500)
+    finally:
+        sock.close()
+    wait_for(lambda: daemon.log("worker:default:0").count("rejected frame") >= 2, 20,
+             what="the worker to log both rejections")
+    assert "HMAC mismatch" in daemon.log("worker:default:0")
+    r = daemon.openai().completions.create(model="default", prompt="y", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    assert daemon.child("worker:default:0").pid == worker.pid  # it did not die of it
+
+
+def test_standalone_worker_accepts_only_correctly_signed_frames(tmp_path):
+    """Positive control: the same call signed with the group key is answered."""
+    key = os.urandom(32)
+    r, w = os.pipe()
+    os.write(w, key)
+    os.close(w)
+    proc = subprocess.Popen([sys.executable, "-m", "engine_core.worker", "--model", "solo", "--rank", "0",
+                             "--runtime-dir", str(tmp_path), "--key-fd", str(r)], pass_fds=(r,), cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(r)
+    try:
+        wait_for(lambda: (tmp_path / "worker-solo-0").exists(), 60, what="the worker socket")
+        sock = dealer(tmp_path / "worker-solo-0")
+        signer = Signer(key)
+        call = (7, "__servectl_stats__", (), {}, None)
+        sock.send(b"garbage")
+        sock.send_multipart(Signer(os.urandom(32)).dumps(call))  # same call, wrong key
+        mac, payload = signer.dumps(call)
+        sock.send_multipart([mac, payload + b"x"])  # right key, tampered payload
+        sock.send_multipart(signer.dumps(call))
+        assert sock.poll(120000), "the correctly signed call got no reply"
+        call_id, ok, stats = signer.loads(sock.recv_multipart())
+        assert (call_id, ok) == (7, True)
+        assert stats["rejected"] == 3
+        assert not sock.poll(500)  # and exactly one reply
+        sock.close()
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

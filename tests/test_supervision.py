@@ -1,0 +1,310 @@
+"""Issue 3: supervision that heals, tested by killing and stopping real processes.
+
+One daemon serves two models (a, b) through two gateway processes and carries
+a third model whose path does not exist (a crash loop). Every test ends with
+the tree accounted for: the module's teardown scans /proc for the instance tag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import Daemon, json_lines, wait_for
+from servectl.config import DEFAULT_MODEL_DIR
+
+CONFIG = f"""
+[gateway]
+processes = 2
+hold_timeout_s = 180
+output_timeout_s = 10
+
+[manager]
+backoff_initial_s = 0.3
+backoff_max_s = 2
+crash_loop_count = 2
+crash_loop_window_s = 600
+worker_reply_timeout_s = 10
+freeze_grace_s = 1
+stop_grace_s = 5
+
+[[models]]
+name = "a"
+model = "{DEFAULT_MODEL_DIR}"
+
+[[models]]
+name = "b"
+model = "{DEFAULT_MODEL_DIR}"
+
+[[models]]
+name = "broken"
+model = "/nonexistent/model/dir"
+"""
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("sup"), config=CONFIG)
+    try:
+        proc = d.start(expect_ok=False)
+        d.start_output = proc
+        yield d
+    finally:
+        d.stop()
+        leftover = d.tree()
+        d.kill_all()
+        assert not leftover, f"left after stop: {leftover}"
+
+
+def post(d: Daemon, path: str, body: dict, timeout: float = 300):
+    req = urllib.request.Request(f"{d.base_url}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def pids(d: Daemon) -> dict[str, int]:
+    return {c.component: c.pid for c in d.status().children}
+
+
+def model_state(d: Daemon, name: str) -> str:
+    return next(m.state for m in d.status().models if m.name == name)
+
+
+def test_start_reports_the_crash_looping_model(sup):
+    out = sup.start_output
+    assert out.returncode != 0
+    assert "broken" in out.stderr and "failed" in out.stderr
+    st = sup.status()
+    states = {m.name: m.state for m in st.models}
+    assert states == {"a": "ready", "b": "ready", "broken": "failed"}
+
+
+def test_crash_loop_is_failed_with_reason_and_503(sup):
+    st = sup.status()
+    engine = next(c for c in st.children if c.component == "engine_core:broken")
+    assert engine.state == "failed"
+    assert engine.last_exit and engine.last_exit.startswith("exit code")
+    assert engine.restarts == 1  # crash_loop_count = 2 starts, then no more
+    assert any("nonexistent" in line or "Error" in line for line in engine.last_log), engine.last_log
+    status, headers, body = post(sup, "/v1/completions", {"model": "broken", "prompt": "x"})
+    assert status == 503
+    err = json.loads(body)["error"]
+    assert "failed" in err["message"] and "servectl restart broken" in err["message"]
+    # Failed means no more restarts: the count stays put.
+    time.sleep(3)
+    assert next(c for c in sup.status().children if c.component == "engine_core:broken").restarts == 1
+    cli = sup.cli("status")
+    assert cli.returncode == 1 and "broken failed" in cli.stdout
+
+
+def test_restart_clears_failed(sup):
+    assert sup.cli("restart", "broken").returncode == 0
+    assert model_state(sup, "broken") in ("starting", "exited", "backoff")
+    # It fails again (the path is still wrong), through the whole crash loop.
+    wait_for(lambda: model_state(sup, "broken") == "failed", 180, interval=1, what="the crash loop to end")
+
+
+def test_worker_sigkill_restarts_the_group_only(sup):
+    before = pids(sup)
+    client = sup.openai(timeout=300)
+    # An in-flight stream of model a, long enough to be cut.
+    status_holder = {}
+
+    def stream():
+        status_holder["result"] = post(sup, "/v1/completions", {
+            "model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True, "stream": True})
+
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("worker:a:0").state == "ready", 30,
+             what="the stream to run")
+    time.sleep(0.3)
+    os.kill(before["worker:a:0"], signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive(), "the in-flight stream hung"
+    code, _, body = status_holder["result"]
+    assert code == 200
+    chunks = [line for line in body.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]"
+    err = json.loads(chunks[-2][6:])
+    assert "error" in err and err["error"]["code"] in (503, "engine_unavailable")
+
+    # A request sent while the group restarts is held, then served.
+    r = client.completions.create(model="a", prompt="import ", max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    after = pids(sup)
+    assert after["worker:a:0"] != before["worker:a:0"]
+    assert after["engine_core:a"] != before["engine_core:a"]
+    for keep in ("engine_core:b", "worker:b:0", "gateway:0", "gateway:1"):
+        assert after[keep] == before[keep], keep
+    a_engine = sup.child("engine_core:a")
+    assert a_engine.restarts >= 1 and sup.child("worker:a:0").restarts >= 1
+
+
+def test_engine_sigkill_non_stream_gets_503_with_retry_after(sup):
+    before = pids(sup)
+    result = {}
+
+    def call():
+        result["r"] = post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 480,
+                                                    "ignore_eos": True})
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(1.0)
+    os.kill(before["engine_core:b"], signal.SIGKILL)
+    t.join(120)
+    code, headers, body = result["r"]
+    if code == 200:
+        pytest.skip("the request finished before the kill landed")  # pragma: no cover (slow machines only)
+    assert code == 503
+    assert "Retry-After" in headers
+    assert json.loads(body)["error"]["type"] == "service_unavailable"
+    wait_for(lambda: model_state(sup, "b") == "ready", 180, interval=0.5, what="b to come back")
+    after = pids(sup)
+    assert after["worker:b:0"] != before["worker:b:0"]  # the group restarted as a unit
+
+
+def test_gateway_sigkill_is_restarted_and_the_other_serves(sup):
+    before = pids(sup)
+    os.kill(before["gateway:0"], signal.SIGKILL)
+    # The sibling keeps accepting on the shared socket meanwhile.
+    for _ in range(4):
+        status, _, _ = post(sup, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 2})
+        assert status == 200
+    wait_for(lambda: sup.child("gateway:0").state == "ready" and sup.child("gateway:0").pid != before["gateway:0"],
+             60, what="gateway 0 restarted")
+    after = pids(sup)
+    for keep in ("engine_core:a", "worker:a:0", "engine_core:b", "worker:b:0", "gateway:1"):
+        assert after[keep] == before[keep], keep
+
+
+def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
+    gw = sup.status()
+    # Find which gateway serves our connection: send a long stream, kill both? No:
+    # kill whichever gateway holds it, by asking each gateway's log afterwards.
+    import socket
+
+    body = json.dumps({"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", sup.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert b"data:" in s.recv(4096)
+    # The gateway holding the stream is the one with an established connection to our port.
+    holder = None
+    for c in gw.children:
+        if c.kind == "gateway":
+            fds = os.listdir(f"/proc/{c.pid}/fd")
+            inodes = {os.readlink(f"/proc/{c.pid}/fd/{fd}") for fd in fds}
+            local = s.getsockname()[1]
+            for line in open(f"/proc/{c.pid}/net/tcp").read().splitlines()[1:]:
+                parts = line.split()
+                if int(parts[2].split(":")[1], 16) == local and f"socket:[{parts[9]}]" in inodes:
+                    holder = c
+    assert holder is not None
+    os.kill(holder.pid, signal.SIGKILL)
+    s.close()
+    wait_for(lambda: "aborting 1 request(s) of dead gateway" in sup.log("engine_core:a"), 30,
+             what="the engine to drop the dead gateway's request")
+
+
+def test_hung_worker_is_detected_and_the_group_restarted(sup):
+    wait_for(lambda: model_state(sup, "a") == "ready", 120, what="a ready")
+    before = pids(sup)
+    result = {}
+
+    def stream():
+        result["r"] = post(sup, "/v1/completions", {"model": "a", "prompt": "def ", "max_tokens": 480,
+                                                    "ignore_eos": True, "stream": True})
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    os.kill(before["worker:a:0"], signal.SIGSTOP)  # hung, not dead: only a deadline can tell
+    t.join(120)
+    assert not t.is_alive()
+    code, _, body = result["r"]
+    assert body.rstrip().endswith("data: [DONE]")
+    assert any("error" in c for c in json_lines(body))
+    wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("worker:a:0").pid != before["worker:a:0"],
+             180, interval=0.5, what="a restarted")
+    assert not os.path.exists(f"/proc/{before['worker:a:0']}")
+    r = sup.openai().completions.create(model="a", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_engine_freeze_is_not_a_hang(sup):
+    wait_for(lambda: sup.child("worker:b:0").state == "idle (frozen)", 60, what="b frozen")
+    pid = sup.child("worker:b:0").pid
+    time.sleep(12)  # longer than both hang deadlines of this daemon
+    assert sup.child("worker:b:0").pid == pid
+    r = sup.openai().completions.create(model="b", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+def test_events_stream_reports_state_changes(sup):
+    import zmq
+
+    from manager import protocol as MP
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{sup.runtime_dir / 'events'}")
+    time.sleep(0.5)
+    os.kill(sup.child("worker:b:0").pid, signal.SIGKILL)
+    seen = []
+    end = time.monotonic() + 180
+    while time.monotonic() < end and not ("worker:b:0", "ready") in seen:
+        if sub.poll(1000):
+            ev = MP.event_decoder.decode(sub.recv())
+            seen.append((ev.component, ev.state))
+    sub.close()
+    states = [s for c, s in seen if c == "model:b"]
+    assert "exited" in states and "backoff" in states and "starting" in states and "ready" in states
+    assert ("worker:b:0", "exited") in seen
+
+
+def test_stop_drains_in_flight_requests(tmp_path):
+    d = Daemon(tmp_path, config="[manager]\ndrain_timeout_s = 60\n")
+    d.start()
+    try:
+        result = {}
+
+        def call():
+            result["r"] = post(d, "/v1/completions", {"model": "default", "prompt": "def ", "max_tokens": 200,
+                                                      "ignore_eos": True})
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.5)
+        stopper = threading.Thread(target=lambda: d.cli("stop"))
+        stopper.start()
+        def draining():
+            try:
+                urllib.request.urlopen(f"{d.base_url}/health", timeout=5)
+            except urllib.error.HTTPError as exc:
+                return json.loads(exc.read())["status"] == "draining"
+            return False
+
+        wait_for(draining, 20, interval=0.05, what="the gateway to drain")
+        late = post(d, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 2}, timeout=30)
+        t.join(120)
+        stopper.join(120)
+        code, _, body = result["r"]
+        assert code == 200 and json.loads(body)["usage"]["completion_tokens"] == 200
+        assert late[0] == 503
+        wait_for(lambda: not d.tree(), 60, what="the tree to exit")
+    finally:
+        d.kill_all()
