@@ -55,7 +55,8 @@ class EngineGroup:
         self.name = cfg.name
         self.manager = manager
         m = manager.cfg.manager
-        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s)
+        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, cfg.crash_loop_count or m.crash_loop_count,
+                                    m.crash_loop_window_s)
         logs = manager.log_dir
         self.engine = Child(f"engine_core:{cfg.name}", "engine_core", cfg.name, logs / f"engine_core-{cfg.name}.log",
                             manager.on_child_change)

@@ -60,6 +60,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: str | None = None
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
+    # Per-model override of [manager] crash_loop_count (e.g. a flaky model).
+    crash_loop_count: PositiveInt | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -29,7 +29,7 @@ output_timeout_s = 10
 [manager]
 backoff_initial_s = 0.3
 backoff_max_s = 2
-crash_loop_count = 2
+crash_loop_count = 10
 crash_loop_window_s = 600
 worker_reply_timeout_s = 10
 freeze_grace_s = 1
@@ -46,6 +46,7 @@ model = "{DEFAULT_MODEL_DIR}"
 [[models]]
 name = "broken"
 model = "/nonexistent/model/dir"
+crash_loop_count = 2
 """
 
 
