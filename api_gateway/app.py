@@ -135,8 +135,8 @@ class Gateway:
                         ev = MP.event_decoder.decode(body)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
-                    if ev.kind == "model" and ev.model in self.links:
-                        self.links[ev.model].on_model_state(ev.state, ev.incarnation, ev.detail)
+                    if ev.kind == "model" and ev.model:
+                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail)
                     self.metrics.child_state(ev.component, ev.state)
                     if ev.kind == "model" and ev.state == "exited" and self.spec.index == 0:
                         self.metrics.engine_restarts.labels(model=ev.model).inc()
@@ -147,8 +147,20 @@ class Gateway:
                         continue
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
-                            if m.name in self.links:
-                                self.links[m.name].on_model_state(m.state, m.incarnation, m.reason)
+                            self.on_model_event(m.name, m.state, m.incarnation, m.reason)
+
+    def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None) -> None:
+        """Models come and go at runtime (`servectl load/unload/reload`)."""
+        link = self.links.get(model)
+        if state == "removed":
+            if link is not None:
+                link.remove()
+                del self.links[model]
+            return
+        if link is None:
+            link = self.links[model] = EngineLink(model, str(self.paths.engine(model)), self.ctx,
+                                                  self.identity.encode())
+        link.on_model_state(state, incarnation, reason)
 
     # ---- middleware ---------------------------------------------------------------------
     @web.middleware
@@ -361,6 +373,8 @@ class Gateway:
                 if isinstance(item, EngineUnavailable):
                     raise unavailable(item)
                 if isinstance(item, EngineRequestError):
+                    if item.status == 503:
+                        raise unavailable(EngineUnavailable(str(item)))
                     if item.status >= 500:
                         raise HttpError(item.status, str(item), "internal_error", item.param)
                     raise HttpError(item.status, str(item), param=item.param)

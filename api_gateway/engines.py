@@ -67,11 +67,21 @@ class EngineLink:
                 self._connect(incarnation)
             return
         self.state = state
-        if state in ("exited", "backoff", "failed", "stopping", "stopped", "starting"):
+        if state == "stopping":
+            # Draining: in-flight requests run to the end; new ones wait for
+            # the next incarnation (a restart) or are refused (an unload).
+            self.ready.clear()
+        elif state in ("exited", "backoff", "failed", "stopped", "starting"):
             if self.sock is not None and state != "starting":
                 self._disconnect(f"the engine for model {self.model!r} {'failed' if state == 'failed' else 'exited'}"
                                  + (f" ({reason})" if reason else ""))
             self.ready.clear()
+
+    def remove(self) -> None:
+        """The model was unloaded: fail what is left and wake whoever waits."""
+        self._disconnect(f"model {self.model!r} was unloaded")
+        self.state = "removed"
+        self.ready.set()
 
     def _connect(self, incarnation: str) -> None:
         self._disconnect("the engine restarted")
@@ -150,6 +160,8 @@ class EngineLink:
         self.waiting += 1
         try:
             await asyncio.wait_for(self.ready.wait(), timeout_s)
+            if self.state == "removed":
+                raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"model {self.model!r} is not available ({self.state}) after waiting "
                                     f"{timeout_s:g}s", retry_after=10) from None

@@ -64,6 +64,8 @@ class EngineServer:
         self.prompt_sent: set[str] = set()
         self.echo: dict[str, str] = {}
         self.rejected = 0
+        self.draining = False
+        self.drain_reported = False
         self.poller = zmq.Poller()
         self.poller.register(frontend, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
@@ -91,6 +93,7 @@ class EngineServer:
             if self.engine.has_unfinished_requests():
                 self._step()
                 idle_since = time.monotonic()
+                self._check_drained()
 
     def _drain_frontend(self) -> None:
         while True:
@@ -120,6 +123,12 @@ class EngineServer:
                                               model=self.spec.model.name, max_model_len=self.max_model_len,
                                               rejected_frames=self.rejected))
 
+    def _check_drained(self) -> None:
+        if self.draining and not self.drain_reported and not self.engine.has_unfinished_requests():
+            self.drain_reported = True
+            self.control.send(MP.encoder.encode(MP.GroupDrained(model=self.spec.model.name,
+                                                                incarnation=self.spec.incarnation)))
+
     def _reject(self, peer: bytes, why: str) -> None:
         self.rejected += 1
         log.warning("rejected frame from %r: %s (%d rejected so far)", peer[:32], why[:200], self.rejected)
@@ -140,6 +149,10 @@ class EngineServer:
                 if ids:
                     log.info("aborting %d request(s) of dead gateway %s", len(ids), msg.peer)
                     self._abort(ids)
+            elif isinstance(msg, MP.Drain):
+                self.draining = True
+                log.info("draining: %d request(s) unfinished", self.engine.get_num_unfinished_requests())
+                self._check_drained()
             elif isinstance(msg, MP.FreezingControl):
                 if msg.enabled:
                     self.freeze_grace_ms = int((self.spec.freeze_grace_s or 2.0) * 1000)
@@ -157,6 +170,10 @@ class EngineServer:
     # ---- requests --------------------------------------------------------------
     def _add(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
+        if self.draining:
+            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
+                                            message=f"model {self.spec.model.name!r} is being stopped", status=503))
+            return
         if rid in self.owner:
             self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
                                             message=f"duplicate request id {rid}", status=400))

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from manager.logs import LogSink, journal_mode
+
 STATES = ("starting", "ready", "stopping", "stopped", "exited", "backoff", "failed")
-LOG_ROTATE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -78,6 +79,9 @@ class Child:
         self.exit_ok = False
         self.expected_exit = False
         self.exited_waiters: list = []
+        self.output_fd: int | None = None
+        self.stale_output_fd: int | None = None
+        self.sink = LogSink(component, log_path, journal=journal_mode())
 
     @property
     def pid(self) -> int | None:
@@ -97,15 +101,22 @@ class Child:
 
     def spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
         """Exec the child. Must run on the event-loop thread (PDEATHSIG follows it)."""
-        self._rotate_log()
-        log = open(self.log_path, "ab", buffering=0)
+        r, w = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=w, stderr=subprocess.STDOUT,
                 pass_fds=pass_fds, close_fds=True, start_new_session=False,
             )
+        except BaseException:
+            os.close(r)
+            raise
         finally:
-            log.close()
+            os.close(w)
+        # A previous incarnation's pipe may still be open (a grandchild holds
+        # it): the manager stops watching and closes it (see Manager.watch).
+        self.stale_output_fd = self.output_fd
+        os.set_blocking(r, False)
+        self.output_fd = r
         self.pidfd = os.pidfd_open(self.popen.pid)
         self.started_at = time.time()
         if self.starts:
@@ -144,20 +155,20 @@ class Child:
             except ProcessLookupError:
                 pass
 
-    def tail(self, lines: int = 20) -> list[str]:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 16384))
-                data = f.read().decode("utf-8", "replace")
-        except OSError:
-            return []
-        return data.splitlines()[-lines:]
+    def read_output(self) -> bool:
+        """Move what the child wrote into its log sink; False at end of file."""
+        while self.output_fd is not None:
+            try:
+                data = os.read(self.output_fd, 65536)
+            except BlockingIOError:
+                return True
+            if not data:
+                os.close(self.output_fd)
+                self.output_fd = None
+                self.sink.close()
+                return False
+            self.sink.write(data)
+        return False
 
-    def _rotate_log(self) -> None:
-        try:
-            if self.log_path.stat().st_size > LOG_ROTATE_BYTES:
-                os.replace(self.log_path, self.log_path.with_suffix(".log.1"))
-        except FileNotFoundError:
-            pass
+    def tail(self, lines: int = 20) -> list[str]:
+        return self.sink.tail(lines)

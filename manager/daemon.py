@@ -71,6 +71,7 @@ class EngineGroup:
         self.freezing = m.freeze_grace_s > 0
         self.restart_timer: asyncio.TimerHandle | None = None
         self.stopping = False
+        self.drained: asyncio.Future | None = None
 
     @property
     def children(self) -> list[Child]:
@@ -159,6 +160,16 @@ class EngineGroup:
             c.signal(signal.SIGCONT)
         self.engine.signal(signal.SIGKILL)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Let the engine finish what it has (no new requests), up to timeout_s."""
+        if self.state != "ready" or not self.engine.alive:
+            return
+        self.state = "stopping"
+        self.manager.on_group_change(self)  # gateways stop sending new requests
+        self.drained = asyncio.get_running_loop().create_future()
+        self.manager.send_to_engine(self, P.Drain())
+        await asyncio.wait([self.drained], timeout=timeout_s)
+
     async def stop(self, grace_s: float) -> None:
         self.stopping = True
         if self.restart_timer:
@@ -179,6 +190,7 @@ class EngineGroup:
         self.set_state("stopped")
 
     async def restart(self, grace_s: float) -> None:
+        await self.drain(self.manager.cfg.manager.drain_timeout_s)
         await self.stop(grace_s)
         self.policy.reset()
         self.start()
@@ -201,11 +213,16 @@ class Gateway:
         self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s)
         self.restart_timer: asyncio.TimerHandle | None = None
         self.peer = ""
+        self.stopping = False  # an exit we asked for (reload), not a crash
+        self.ready_waiters: list[asyncio.Future] = []
 
 
 class Manager:
-    def __init__(self, cfg: C.Config, paths: RuntimePaths, instance: str, state_dir: Path):
+    def __init__(self, cfg: C.Config, paths: RuntimePaths, instance: str, state_dir: Path,
+                 config_path: str | None = None, overrides: C.Overrides | None = None):
         self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides or C.Overrides()
         self.paths = paths
         self.instance = instance
         self.state_dir = state_dir
@@ -243,10 +260,25 @@ class Manager:
         return env
 
     def watch(self, child: Child) -> None:
-        asyncio.get_running_loop().add_reader(child.pidfd, self._on_exit, child)
+        loop = asyncio.get_running_loop()
+        if child.stale_output_fd is not None:
+            loop.remove_reader(child.stale_output_fd)
+            os.close(child.stale_output_fd)
+            child.stale_output_fd = None
+        loop.add_reader(child.pidfd, self._on_exit, child)
+        fd = child.output_fd
+        loop.add_reader(fd, self._on_output, child, fd)
+
+    def _on_output(self, child: Child, fd: int) -> None:
+        if child.output_fd != fd or not child.read_output():
+            asyncio.get_running_loop().remove_reader(fd)
 
     def _on_exit(self, child: Child) -> None:
-        asyncio.get_running_loop().remove_reader(child.pidfd)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(child.pidfd)
+        fd = child.output_fd
+        if not child.read_output() and fd is not None:  # its last words first
+            loop.remove_reader(fd)
         how = child.reap()
         # Orphans reparented to us (we are a subreaper) are reaped here: their
         # parent's exit is the event that made them ours. (uvloop owns SIGCHLD.)
@@ -275,7 +307,7 @@ class Manager:
         # Its in-flight requests would otherwise run on in the engines.
         for group in self.groups.values():
             self.send_to_engine(group, P.AbortPeer(peer=gw.peer))
-        if self.shutdown_started:
+        if self.shutdown_started or gw.stopping:
             gw.child.set("stopped", gw.child.last_exit or "")
             return
         gw.child.set("exited", gw.child.last_exit or "")
@@ -383,6 +415,10 @@ class Manager:
             if group and group.engine.alive:
                 group.frozen = msg.frozen
                 self.on_group_change(group)
+        elif isinstance(msg, P.GroupDrained):
+            group = self.groups.get(msg.model)
+            if group and group.incarnation == msg.incarnation and group.drained and not group.drained.done():
+                group.drained.set_result(True)
         elif isinstance(msg, P.GroupHung):
             group = self.groups.get(msg.model)
             if group and group.incarnation == msg.incarnation and group.state == "ready":
@@ -400,6 +436,21 @@ class Manager:
             self.request_shutdown(msg.timeout_s)
         elif isinstance(msg, P.RestartRequest):
             self._restart(ident, msg.model)
+        elif isinstance(msg, P.ReloadRequest):
+            self.request_reload(ident)
+        elif isinstance(msg, P.LoadModel):
+            if msg.model.name in self.groups:
+                self.reply(ident, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
+                return
+            cfg = C.finalize(C.Config(gateway=self.cfg.gateway, manager=self.cfg.manager, models=[msg.model]))
+            self.add_model(cfg.models[0])
+            self.reply(ident, P.Ack(ok=True, message=f"loading {msg.model.name}"))
+        elif isinstance(msg, P.UnloadModel):
+            if msg.name not in self.groups:
+                self.reply(ident, P.Ack(ok=False, message=f"no model {msg.name!r}; served: {', '.join(self.groups)}"))
+                return
+            asyncio.get_running_loop().create_task(self.remove_model(msg.name))
+            self.reply(ident, P.Ack(ok=True, message=f"unloading {msg.name}"))
         elif isinstance(msg, P.SetFreezing):
             group = self.groups.get(msg.model)
             if group is None:
@@ -418,6 +469,10 @@ class Manager:
             idx = int(msg.component.split(":")[1])
             if idx < len(self.gateways) and self.gateways[idx].child.pid == msg.pid:
                 self.gateways[idx].child.set("ready")
+                waiters, self.gateways[idx].ready_waiters = self.gateways[idx].ready_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(True)
                 self._check_settled()
 
     def _restart(self, ident: bytes, model: str | None) -> None:
@@ -448,7 +503,104 @@ class Manager:
                                 reason=g.reason) for g in self.groups.values()]
         return P.StatusReply(version=P.PROTOCOL_VERSION, instance=self.instance, manager_pid=os.getpid(),
                              started_at=self.started_at, state=self.state, port=self.port,
+                             state_dir=str(self.state_dir),
                              host=self.cfg.gateway.host, children=children, models=models)
+
+    # ---- changing what is served ---------------------------------------------------------
+    def add_model(self, model: C.ModelConfig) -> None:
+        self.cfg.models = [*self.cfg.models, model]
+        group = EngineGroup(model, self)
+        self.groups[model.name] = group
+        group.start()
+
+    async def remove_model(self, name: str) -> None:
+        group = self.groups[name]
+        await group.drain(self.cfg.manager.drain_timeout_s)
+        await group.stop(self.cfg.manager.stop_grace_s)
+        del self.groups[name]
+        self.cfg.models = [m for m in self.cfg.models if m.name != name]
+        self.publish(P.Event(component=f"model:{name}", kind="model", model=name, state="removed", pid=None,
+                             time=time.time()))
+        self._check_settled()
+
+    def request_reload(self, ident: bytes | None = None) -> None:
+        if self.shutdown_started:
+            return
+        asyncio.get_running_loop().create_task(self.reload(ident))
+
+    async def reload(self, ident: bytes | None) -> None:
+        """Re-read the file, re-apply the start options, and apply only the difference."""
+        notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\nSTATUS=reloading")
+        try:
+            new, _ = C.effective_config(self.config_path, self.overrides)
+        except C.ConfigError as exc:
+            log.error("reload refused: %s", exc)
+            notify("READY=1\nSTATUS=reload refused: config error")
+            if ident is not None:
+                self.reply(ident, P.Ack(ok=False, message=str(exc)))
+            return
+        old = {m.name: m for m in self.cfg.models}
+        fresh = {m.name: m for m in new.models}
+        added = [n for n in fresh if n not in old]
+        removed = [n for n in old if n not in fresh]
+        changed = [n for n in fresh if n in old and fresh[n] != old[n]]
+        gateway_changed = new.gateway != self.cfg.gateway
+        self.cfg.manager = new.manager
+        summary = (f"added {added or '-'}, removed {removed or '-'}, changed {changed or '-'}, "
+                   f"gateway {'changed' if gateway_changed else 'unchanged'}")
+        log.info("reload: %s", summary)
+        if ident is not None:
+            self.reply(ident, P.Ack(ok=True, message=f"reloading: {summary}"))
+        for name in removed:
+            await self.remove_model(name)
+        for name in added:
+            self.add_model(fresh[name])
+        for name in changed:
+            group = self.groups[name]
+            await group.drain(self.cfg.manager.drain_timeout_s)
+            await group.stop(self.cfg.manager.stop_grace_s)
+            group = EngineGroup(fresh[name], self)
+            self.groups[name] = group
+            self.cfg.models = [fresh[name] if m.name == name else m for m in self.cfg.models]
+            group.start()
+        if gateway_changed:
+            await self.replace_gateways(new.gateway)
+        notify("READY=1\nSTATUS=serving")
+
+    async def replace_gateways(self, gateway: C.GatewayConfig) -> None:
+        """Restart the gateways one by one with the new [gateway] section."""
+        old_sock = None
+        if (gateway.host, gateway.port) != (self.cfg.gateway.host, self.cfg.gateway.port):
+            old_sock = self.listen_sock
+            self.bind_listener(gateway)
+        self.cfg.gateway = gateway
+        for gw in list(self.gateways):
+            if gw.child.alive:
+                gw.child.set("stopping")
+                gw.stopping = True
+                gw.child.signal(signal.SIGTERM)
+                await self.wait_exit([gw.child], self.cfg.manager.drain_timeout_s + self.cfg.manager.stop_grace_s)
+            gw.stopping = False
+            self.start_gateway(gw)
+            ready = asyncio.get_running_loop().create_future()
+            gw.ready_waiters.append(ready)
+            await asyncio.wait([ready], timeout=120)
+        for i in range(len(self.gateways), gateway.processes):
+            gw = Gateway(i, self)
+            self.gateways.append(gw)
+            self.start_gateway(gw)
+        while len(self.gateways) > gateway.processes:
+            gw = self.gateways.pop()
+            gw.stopping = True
+            gw.child.signal(signal.SIGTERM)
+            await self.wait_exit([gw.child], self.cfg.manager.drain_timeout_s + self.cfg.manager.stop_grace_s)
+        if old_sock is not None:
+            old_sock.close()
+
+    def bind_listener(self, gateway: C.GatewayConfig) -> None:
+        self.listen_sock = socket.create_server((gateway.host, gateway.port), backlog=1024)
+        self.listen_sock.set_inheritable(True)
+        self.port = self.listen_sock.getsockname()[1]
 
     # ---- lifecycle -------------------------------------------------------------------
     def request_shutdown(self, timeout_s: float | None = None) -> None:
@@ -476,6 +628,22 @@ class Manager:
         self.kill_strays()
         self.state = "stopped"
         self.done.set()
+
+    def start_watchdog(self) -> None:
+        """systemd's watchdog: the one periodic wake-up, and only when systemd asks for it."""
+        usec = os.environ.get("WATCHDOG_USEC")
+        wpid = os.environ.get("WATCHDOG_PID")
+        if not usec or (wpid and int(wpid) != os.getpid()):
+            return
+        interval = int(usec) / 1e6 / 2
+        loop = asyncio.get_running_loop()
+
+        def ping() -> None:  # event-proof: systemd's watchdog protocol requires a periodic keep-alive
+            notify("WATCHDOG=1")
+            if not self.shutdown_started:
+                loop.call_later(interval, ping)
+
+        ping()
 
     def kill_strays(self) -> None:
         """Kill grandchildren reparented to us (we are their subreaper)."""
@@ -510,6 +678,8 @@ class Manager:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        self.start_watchdog()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         self.events = self.ctx.socket(zmq.PUB)
@@ -521,9 +691,7 @@ class Manager:
         finally:
             os.umask(old)
         self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
-        self.listen_sock = socket.create_server((self.cfg.gateway.host, self.cfg.gateway.port), backlog=1024)
-        self.listen_sock.set_inheritable(True)
-        self.port = self.listen_sock.getsockname()[1]
+        self.bind_listener(self.cfg.gateway)
         log.info("manager %d: runtime %s, gateway on %s:%d", os.getpid(), self.paths.root, self.cfg.gateway.host,
                  self.port)
         control_task = loop.create_task(self.serve_control())
@@ -572,13 +740,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m manager")
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--instance", default=None)
+    ap.add_argument("--config-path", default=None, help="the file to re-read on reload")
+    ap.add_argument("--overrides-json", default=None, help="start options re-applied on reload")
     ap.add_argument("--die-with-parent", action="store_true",
                     help="library mode: exit when the starting process dies")
     ap.add_argument("--parent-pipe-fd", type=int, default=None,
                     help="library mode: exit when this pipe reaches end of file")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("SERVECTL_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s manager %(levelname)s %(message)s", stream=sys.stderr)
+    from servectl.proc import setup_child_logging
+
+    setup_child_logging("manager")
     cfg = C.decode(args.config_json)
     if args.die_with_parent:
         die_with_parent()
@@ -587,12 +758,15 @@ def main(argv: list[str] | None = None) -> int:
     check_not_running(paths)
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
     ensure_private_dir(state_dir)
-    instance = args.instance or secrets.token_hex(8)
+    # The tag must be in our real environment (/proc/<pid>/environ) so a leak
+    # of the manager itself can be found; `servectl start` and Server() put it there.
+    instance = args.instance or os.environ.get(INSTANCE_ENV) or secrets.token_hex(8)
     os.environ[INSTANCE_ENV] = instance
     become_subreaper()
     import uvloop
 
-    manager = Manager(cfg, paths, instance, state_dir)
+    overrides = msgspec.json.decode(args.overrides_json, type=C.Overrides) if args.overrides_json else None
+    manager = Manager(cfg, paths, instance, state_dir, args.config_path, overrides)
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

@@ -10,6 +10,8 @@ from typing import Union
 
 import msgspec
 
+from servectl.config import ModelConfig
+
 PROTOCOL_VERSION = 1
 
 
@@ -33,6 +35,11 @@ class GroupFrozen(_Msg, tag="group_frozen"):
 
     model: str
     frozen: bool
+
+
+class GroupDrained(_Msg, tag="group_drained"):
+    model: str
+    incarnation: str
 
 
 class GroupHung(_Msg, tag="group_hung"):
@@ -67,7 +74,20 @@ class SetFreezing(_Msg, tag="set_freezing"):
     enabled: bool
 
 
-ControlIn = Union[ChildReady, GroupFrozen, GroupHung, StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing]
+class ReloadRequest(_Msg, tag="reload"):
+    """Re-read the config file, re-apply the start options, apply the difference."""
+
+
+class LoadModel(_Msg, tag="load"):
+    model: ModelConfig
+
+
+class UnloadModel(_Msg, tag="unload"):
+    name: str
+
+
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, StatusRequest, WaitSettled, StopRequest, RestartRequest,
+                  SetFreezing, ReloadRequest, LoadModel, UnloadModel]
 
 
 # ---- manager → clients ---------------------------------------------------
@@ -102,6 +122,7 @@ class StatusReply(_Msg, tag="status_reply"):
     state: str
     port: int
     host: str
+    state_dir: str
     children: list[ChildStatus]
     models: list[ModelStatus]
 
@@ -126,7 +147,11 @@ class FreezingControl(_Msg, tag="freezing_control"):
     enabled: bool
 
 
-ToEngine = Union[AbortPeer, FreezingControl]
+class Drain(_Msg, tag="drain"):
+    """Refuse new requests; say GroupDrained once nothing is unfinished."""
+
+
+ToEngine = Union[AbortPeer, FreezingControl, Drain]
 
 
 # ---- events (PUB) ----------------------------------------------------------

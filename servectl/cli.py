@@ -49,38 +49,17 @@ def main() -> None:
     """Serve LLMs with a supervisor that owns every process."""
 
 
-def build_config(config: str | None, runtime_dir: str | None, host: str | None, port: int | None,
-                 model: str | None, name: str | None, tp: int | None, gateways: int | None,
-                 engine_args: tuple[str, ...], freeze_grace: float | None) -> C.Config:
-    cfg, _ = C.load_config(config)
-    if runtime_dir:
-        cfg.manager.runtime_dir = runtime_dir
-    if host:
-        cfg.gateway.host = host
-    if port is not None:
-        cfg.gateway.port = port
-    if gateways:
-        cfg.gateway.processes = gateways
-    if freeze_grace is not None:
-        cfg.manager.freeze_grace_s = freeze_grace
-    if model or name or tp or engine_args:
-        target = cfg.models[0]
-        if model:
-            target.model = model
-        if name:
-            target.name = name
-        if tp:
-            target.tensor_parallel_size = tp
-        for item in engine_args:
-            key, _, value = item.partition("=")
-            try:
-                target.engine_args[key.replace("-", "_")] = json.loads(value)
-            except json.JSONDecodeError:
-                target.engine_args[key.replace("-", "_")] = value
-    try:
-        return msgspec.convert(msgspec.to_builtins(cfg), C.Config)  # re-validate the overrides
-    except msgspec.ValidationError as exc:
-        raise C.ConfigError(f"bad option: {exc}") from None
+def parse_engine_args(items: tuple[str, ...]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise C.ConfigError(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
 
 
 @main.command()
@@ -94,14 +73,18 @@ def build_config(config: str | None, runtime_dir: str | None, host: str | None, 
 @click.option("--gateways", type=int, help="Gateway processes sharing the port.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="vLLM engine argument.")
 @click.option("--freeze-grace", type=float, help="Seconds idle before workers are frozen (0: never).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="File of API keys, one per line.")
+@click.option("--state-dir", type=click.Path(file_okay=False), help="Logs directory root (default: RUNTIME/state).")
 @click.option("--foreground", is_flag=True, help="Run the manager in this process (for systemd).")
 @click.option("--timeout", type=float, default=600, show_default=True, help="Seconds to wait for ready.")
-def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engine_args, freeze_grace, foreground,
-          timeout):
+def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engine_args, freeze_grace, api_key_file,
+          state_dir, foreground, timeout):
     """Start the daemon and wait until every model is ready or failed."""
     try:
-        cfg = build_config(config_path, runtime_dir, host, port, model, name, tp, gateways, engine_args,
-                           freeze_grace)
+        overrides = C.Overrides(runtime_dir=runtime_dir, state_dir=state_dir, host=host, port=port, gateways=gateways,
+                                freeze_grace_s=freeze_grace, api_key_file=api_key_file, model=model, name=name,
+                                tensor_parallel_size=tp, engine_args=parse_engine_args(engine_args))
+        cfg, found = C.effective_config(config_path, overrides)
     except C.ConfigError as exc:
         err.print(f"[red]{exc}[/red]")
         sys.exit(2)
@@ -112,13 +95,17 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         err.print(f"servectl is already running in {root}")
         sys.exit(1)
     config_json = C.encode(cfg).decode()
+    # The manager re-reads the file on reload and re-applies these options.
+    extra = ["--overrides-json", msgspec.json.encode(overrides).decode()]
+    if found is not None:
+        extra += ["--config-path", str(Path(found).resolve())]
     if foreground:
         from servectl.client import child_env, manager_command
 
-        argv = manager_command(config_json)
+        argv = manager_command(config_json, extra)
         os.execve(argv[0], argv, child_env())
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
-    proc = spawn_manager(config_json, state_dir / "logs" / "manager.log")
+    proc = spawn_manager(config_json, state_dir / "logs" / "manager.log", extra)
     console.print(f"servectl: manager pid {proc.pid}, runtime {root}")
 
     def show(ev: P.Event) -> None:
@@ -255,6 +242,49 @@ def restart(runtime_dir, model):
     sys.exit(0 if reply.ok else 1)
 
 
+def ack_or_exit(runtime_dir, msg, timeout: float = 10) -> None:
+    client = client_for(runtime_dir, timeout=timeout)
+    try:
+        reply = client.request(msg)
+    except NotRunning as exc:
+        not_running(exc)
+    (console if reply.ok else err).print(reply.message, markup=False, highlight=False)
+    sys.exit(0 if reply.ok else 1)
+
+
+@main.command()
+@runtime_option
+def reload(runtime_dir):
+    """Re-read the config file and apply only the difference (also: SIGHUP to the manager)."""
+    ack_or_exit(runtime_dir, P.ReloadRequest())
+
+
+@main.command()
+@runtime_option
+@click.argument("name")
+@click.option("--model", "path", required=True, help="Model directory (Hugging Face format).")
+@click.option("--tensor-parallel-size", "--tp", "tp", type=int, default=1, show_default=True)
+@click.option("--devices", help="CUDA_VISIBLE_DEVICES for this model's workers.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="vLLM engine argument.")
+def load(runtime_dir, name, path, tp, devices, engine_args):
+    """Start serving another model at runtime (until the next reload)."""
+    try:
+        model = msgspec.convert({"name": name, "model": path, "tensor_parallel_size": tp, "devices": devices,
+                                 "engine_args": parse_engine_args(engine_args)}, C.ModelConfig)
+    except (msgspec.ValidationError, C.ConfigError) as exc:
+        err.print(f"[red]bad model: {exc}[/red]")
+        sys.exit(2)
+    ack_or_exit(runtime_dir, P.LoadModel(model=model))
+
+
+@main.command()
+@runtime_option
+@click.argument("name")
+def unload(runtime_dir, name):
+    """Drain and stop one model's engine group."""
+    ack_or_exit(runtime_dir, P.UnloadModel(name=name))
+
+
 @main.command()
 @runtime_option
 @click.argument("model")
@@ -302,8 +332,10 @@ def events(runtime_dir):
 def logs(runtime_dir, component, lines, follow):
     """Show a component's log (e.g. gateway-0, engine_core-default, manager)."""
     root = resolve_runtime_dir(runtime_dir)
-    client = ControlClient(root)
-    state_dir = root / "state"
+    try:
+        state_dir = Path(ControlClient(root, timeout_s=3).status().state_dir)
+    except NotRunning:
+        state_dir = root / "state"  # the default, for reading the logs of a stopped daemon
     log_dir = state_dir / "logs"
     if not log_dir.exists():
         not_running(NotRunning(f"no logs in {log_dir}"))
@@ -314,7 +346,6 @@ def logs(runtime_dir, component, lines, follow):
         if not files:
             err.print(f"no log for {component!r}; have: {', '.join(f.stem for f in sorted(log_dir.glob('*.log')))}")
             sys.exit(2)
-    del client
     argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), *map(str, files)]
     os.execvp("tail", argv)
 
@@ -338,8 +369,8 @@ def config_check(path):
         for msg in bad:
             err.print(f"[red]{msg}[/red]")
         sys.exit(2)
-    console.print(f"# effective configuration ({found or 'built-in defaults'})", markup=False)
-    click.echo(msgspec.toml.encode(cfg).decode())
+    err.print(f"effective configuration ({found or 'built-in defaults'}):", markup=False, highlight=False)
+    click.echo(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
 
 
 if __name__ == "__main__":

@@ -59,7 +59,14 @@ def package_root() -> str:
 
 
 def child_env() -> dict[str, str]:
+    """The manager's environment: ours, our packages importable, and a fresh
+    instance tag (in the real environment, so /proc/<pid>/environ shows it)."""
+    import secrets
+
+    from servectl.proc import INSTANCE_ENV
+
     env = dict(os.environ)
+    env[INSTANCE_ENV] = secrets.token_hex(8)
     root = package_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -140,8 +140,61 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             keys = Path(cfg.gateway.api_key_file).read_text().split()
         except OSError as exc:
             raise ConfigError(f"config error: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: {exc.strerror}") from None
-        cfg.gateway.api_keys = [*cfg.gateway.api_keys, *keys]
+        cfg.gateway.api_keys = list(dict.fromkeys([*cfg.gateway.api_keys, *keys]))
     return cfg
+
+
+class Overrides(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Options given on `servectl start`'s command line: they stay in force
+    across reloads (the manager re-applies them to the re-read file)."""
+
+    runtime_dir: str | None = None
+    state_dir: str | None = None
+    host: str | None = None
+    port: int | None = None
+    gateways: int | None = None
+    freeze_grace_s: float | None = None
+    api_key_file: str | None = None
+    model: str | None = None
+    name: str | None = None
+    tensor_parallel_size: int | None = None
+    engine_args: dict[str, Any] = {}
+
+
+def apply_overrides(cfg: Config, ov: Overrides) -> Config:
+    if ov.runtime_dir:
+        cfg.manager.runtime_dir = ov.runtime_dir
+    if ov.state_dir:
+        cfg.manager.state_dir = ov.state_dir
+    if ov.host:
+        cfg.gateway.host = ov.host
+    if ov.port is not None:
+        cfg.gateway.port = ov.port
+    if ov.gateways:
+        cfg.gateway.processes = ov.gateways
+    if ov.freeze_grace_s is not None:
+        cfg.manager.freeze_grace_s = ov.freeze_grace_s
+    if ov.api_key_file:
+        cfg.gateway.api_key_file = ov.api_key_file
+    if ov.model or ov.name or ov.tensor_parallel_size or ov.engine_args:
+        target = cfg.models[0]
+        if ov.model:
+            target.model = ov.model
+        if ov.name:
+            target.name = ov.name
+        if ov.tensor_parallel_size:
+            target.tensor_parallel_size = ov.tensor_parallel_size
+        target.engine_args = {**target.engine_args, **ov.engine_args}
+    try:
+        cfg = msgspec.convert(msgspec.to_builtins(cfg), Config)  # re-validate what the options changed
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad option: {_explain(exc, None).removeprefix('config error: ')}") from None
+    return finalize(cfg)
+
+
+def effective_config(path: str | os.PathLike | None, ov: Overrides) -> tuple[Config, Path | None]:
+    cfg, found = load_config(path)
+    return apply_overrides(cfg, ov), found
 
 
 def encode(cfg: Config) -> bytes:

@@ -10,6 +10,7 @@ fails to import. It also checks that the bundled default model is present.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m servectl.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fix", action="store_true", help="uninstall torch add-ons that fail to import")
+    ap.add_argument("--tests", action="store_true",
+                    help="also install what the test suite needs beyond pip (systemd-analyze, from Debian)")
     args = ap.parse_args(argv)
     problems = 0
     broken = [p for p in OPTIONAL_TORCH_PACKAGES if installed(p) and not imports(p)]
@@ -45,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
                            stdout=subprocess.DEVNULL)
         else:
             print(f"broken: {', '.join(broken)} (run with --fix)")
+            problems += 1
+    if args.tests and not shutil.which("systemd-analyze"):
+        print("installing Debian's systemd package for systemd-analyze (the unit file test)")
+        subprocess.run(["apt-get", "update", "-q"], check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"], check=False,
+                       stdout=subprocess.DEVNULL)
+        if not shutil.which("systemd-analyze"):
+            print("systemd-analyze is still missing")
             problems += 1
     if not imports("vllm"):
         print("vllm does not import: install servectl with the `cpu` or `gpu` extra")

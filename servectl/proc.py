@@ -45,9 +45,11 @@ def become_subreaper() -> None:
 
 
 def setup_child_logging(name: str) -> logging.Logger:
+    # Under systemd the journal timestamps every line: no second timestamp.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=os.environ.get("SERVECTL_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+        format=f"{stamp}{name} %(levelname)s %(message)s",
         stream=sys.stderr,
     )
     return logging.getLogger(name)

@@ -46,9 +46,12 @@ def test_child_exit_code_is_collected_through_its_pidfd(tmp_path):
     child, changes = run_child(tmp_path, "3")
     assert child.state == "starting" and child.alive
     assert wait_pidfd(child)
+    while child.read_output():  # the manager does this on the pipe's readiness
+        select.select([child.output_fd], [], [], 5)
     assert child.reap() == "exit code 3"
     assert not child.alive and child.pid is None
     assert child.tail() == ["fake child up"]
+    assert (tmp_path / "fake.log").read_text() == "fake child up\n"
     assert changes == [("starting", "")]
 
 

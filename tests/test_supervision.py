@@ -202,7 +202,11 @@ def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
     s = socket.create_connection(("127.0.0.1", sup.port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert b"data:" in s.recv(4096)
+    received = b""
+    while b"data:" not in received:
+        chunk = s.recv(4096)
+        assert chunk
+        received += chunk
     # The gateway holding the stream is the one with an established connection to our port.
     holder = None
     for c in gw.children:
@@ -267,7 +271,7 @@ def test_events_stream_reports_state_changes(sup):
     os.kill(sup.child("worker:b:0").pid, signal.SIGKILL)
     seen = []
     end = time.monotonic() + 180
-    while time.monotonic() < end and not ("worker:b:0", "ready") in seen:
+    while time.monotonic() < end and ("model:b", "ready") not in seen:
         if sub.poll(1000):
             ev = MP.event_decoder.decode(sub.recv())
             seen.append((ev.component, ev.state))
@@ -281,15 +285,16 @@ def test_stop_drains_in_flight_requests(tmp_path):
     d = Daemon(tmp_path, config="[manager]\ndrain_timeout_s = 60\n")
     d.start()
     try:
-        result = {}
+        import http.client
 
-        def call():
-            result["r"] = post(d, "/v1/completions", {"model": "default", "prompt": "def ", "max_tokens": 200,
-                                                      "ignore_eos": True})
-
-        t = threading.Thread(target=call)
-        t.start()
-        time.sleep(0.5)
+        # A long streamed request (4 choices × 480 tokens) is in flight when the stop begins.
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=300)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "default", "prompt": "def ", "max_tokens": 480, "n": 4, "ignore_eos": True, "stream": True}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        assert first.startswith(b"data: ")
         stopper = threading.Thread(target=lambda: d.cli("stop"))
         stopper.start()
         def draining():
@@ -301,11 +306,13 @@ def test_stop_drains_in_flight_requests(tmp_path):
 
         wait_for(draining, 20, interval=0.05, what="the gateway to drain")
         late = post(d, "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 2}, timeout=30)
-        t.join(120)
+        assert late[0] == 503 and "shutting down" in late[2]
+        body = (first + resp.read()).decode()
         stopper.join(120)
-        code, _, body = result["r"]
-        assert code == 200 and json.loads(body)["usage"]["completion_tokens"] == 200
-        assert late[0] == 503
+        events = json_lines(body)
+        assert body.rstrip().endswith("data: [DONE]")
+        assert not any("error" in e for e in events), "the in-flight request was cut"
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 100
         wait_for(lambda: not d.tree(), 60, what="the tree to exit")
     finally:
         d.kill_all()

@@ -1,0 +1,71 @@
+"""Children's output: read by the manager from a pipe, one sink per component.
+
+The manager reads each child's stdout+stderr as it arrives (an event on the
+pipe, no polling), keeps the last lines in memory for `servectl status`, and
+writes them either to ``<state>/logs/<component>.log`` (size-capped: rotated
+to ``.log.1`` past the cap) or, under systemd (``$JOURNAL_STREAM`` set), to
+its own stderr prefixed with the component, where journald timestamps them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from pathlib import Path
+
+ROTATE_BYTES = 16 * 1024 * 1024
+
+
+def journal_mode() -> bool:
+    return bool(os.environ.get("JOURNAL_STREAM"))
+
+
+class LogSink:
+    def __init__(self, component: str, path: Path, rotate_bytes: int = ROTATE_BYTES, journal: bool = False):
+        self.component = component
+        self.path = path
+        self.rotate_bytes = rotate_bytes
+        self.journal = journal
+        self.lines: deque[str] = deque(maxlen=200)
+        self._partial = b""
+        self._file = None
+        self._size = 0
+
+    def _open(self) -> None:
+        self._file = open(self.path, "ab", buffering=0)
+        self._size = self._file.tell()
+
+    def write(self, data: bytes) -> None:
+        data = self._partial + data
+        *complete, self._partial = data.split(b"\n")
+        if len(self._partial) > 65536:  # a line without end: flush it anyway
+            complete.append(self._partial)
+            self._partial = b""
+        if not complete:
+            return
+        text = [line.decode("utf-8", "replace") for line in complete]
+        self.lines.extend(text)
+        if self.journal:
+            sys.stderr.write("".join(f"{self.component}: {line}\n" for line in text))
+            sys.stderr.flush()
+            return
+        if self._file is None:
+            self._open()
+        blob = b"\n".join(complete) + b"\n"
+        if self._size + len(blob) > self.rotate_bytes:
+            self._file.close()
+            os.replace(self.path, self.path.with_suffix(".log.1"))
+            self._open()
+        self._file.write(blob)
+        self._size += len(blob)
+
+    def close(self) -> None:
+        if self._partial:
+            self.write(b"\n")
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def tail(self, n: int) -> list[str]:
+        return list(self.lines)[-n:]
