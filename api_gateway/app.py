@@ -343,15 +343,43 @@ class Gateway:
                 self.idle.set()
 
     async def events(self, link: EngineLink, gens: list[EP.Generate], n: int):
-        """Yield (prompt index, Delta) for every prompt's request until all finish."""
+        """Yield (prompt index, Delta) for every prompt's request until all finish.
+
+        A request whose engine went away before it produced anything has lost
+        nothing: it waits for the next incarnation (within the hold timeout)
+        and is sent again, so a request that raced the engine's death is held
+        like one that arrived after it. Once output has flowed, an engine
+        failure ends the request with an error.
+        """
+        deadline = time.monotonic() + self.cfg.hold_timeout_s
+        while True:
+            produced = False
+            try:
+                async for item in self._events_once(link, gens, n):
+                    produced = True
+                    yield item
+                return
+            except EngineUnavailable as exc:
+                left = deadline - time.monotonic()
+                if produced or left <= 0:
+                    raise unavailable(exc) from None
+            log.info("engine of %s went away before any output; holding %d request(s)", link.model, len(gens))
+            try:
+                await link.wait_ready(left)
+            except EngineUnavailable as exc:
+                raise unavailable(exc) from None
+            for g in gens:
+                g.request_id = self.new_request_id()
+
+    async def _events_once(self, link: EngineLink, gens: list[EP.Generate], n: int):
         streams = []
         try:
             for g in gens:
                 streams.append(link.submit(g, n))
-        except EngineUnavailable as exc:
+        except EngineUnavailable:
             for s in streams:
                 link.abort(s.request_id)
-            raise unavailable(exc) from None
+            raise
         merged: asyncio.Queue = asyncio.Queue()
         remaining = {s.request_id: n for s in streams}
         index_of = {s.request_id: i for i, s in enumerate(streams)}
@@ -371,7 +399,7 @@ class Gateway:
                                          f"{self.cfg.output_timeout_s:g}s; its engine is being restarted",
                                     "service_unavailable", headers={"Retry-After": "10"}) from None
                 if isinstance(item, EngineUnavailable):
-                    raise unavailable(item)
+                    raise item
                 if isinstance(item, EngineRequestError):
                     if item.status == 503:
                         raise unavailable(EngineUnavailable(str(item)))

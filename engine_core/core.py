@@ -13,6 +13,7 @@ import torch or vLLM.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -33,6 +34,9 @@ from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
 
 log = logging.getLogger("engine_core")
+# "module:function" building the engine from the EngineSpec instead of vLLM's
+# LLMEngine (for bench/'s zero-cost token source). Unset in production.
+ENGINE_FACTORY_ENV = "SERVECTL_ENGINE_FACTORY"
 
 
 class BadRequest(Exception):
@@ -364,14 +368,21 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine_args = EngineArgs(
-        model=spec.model.model,
-        tensor_parallel_size=tp,
-        distributed_executor_backend=ex.ZmqExecutor,
-        **spec.model.engine_args,
-    )
+    factory = os.environ.get(ENGINE_FACTORY_ENV)
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        if factory:
+            # The documented hook for benchmarks (bench/zero_cost.py): anything
+            # with LLMEngine's add_request/step/abort_request surface.
+            module, _, name = factory.partition(":")
+            engine = getattr(importlib.import_module(module), name)(spec)
+            log.warning("engine built by %s, not vLLM's LLMEngine", factory)
+        else:
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                model=spec.model.model,
+                tensor_parallel_size=tp,
+                distributed_executor_backend=ex.ZmqExecutor,
+                **spec.model.engine_args,
+            ))
     except ex.WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return 75

@@ -29,7 +29,7 @@ from manager import protocol as P
 from manager.children import Child, RestartPolicy
 from manager.sdnotify import notify
 from servectl import config as C
-from servectl.paths import RuntimePaths, ensure_private_dir, resolve_runtime_dir
+from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, ensure_private_dir, resolve_runtime_dir
 from servectl.proc import INSTANCE_ENV, PARENT_ENV, become_subreaper, die_with_parent, processes_of_instance
 
 log = logging.getLogger("manager")
@@ -690,6 +690,10 @@ class Manager:
             self.events.bind(RuntimePaths.ipc(self.paths.events))
         finally:
             os.umask(old)
+        if self.paths.root.stat().st_mode & 0o070:
+            # A system daemon's runtime dir is 0750 with the operators' group:
+            # they may use the control socket (0660); every other socket stays 0600.
+            os.chmod(self.paths.control, 0o660)
         self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
         self.bind_listener(self.cfg.gateway)
         log.info("manager %d: runtime %s, gateway on %s:%d", os.getpid(), self.paths.root, self.cfg.gateway.host,
@@ -753,7 +757,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = C.decode(args.config_json)
     if args.die_with_parent:
         die_with_parent()
-    root = ensure_private_dir(resolve_runtime_dir(cfg.manager.runtime_dir))
+    root = resolve_runtime_dir(cfg.manager.runtime_dir)
+    if root == SYSTEM_RUNTIME_DIR and root.is_dir():
+        pass  # systemd made it (RuntimeDirectoryMode=0750): keep its mode and group
+    else:
+        ensure_private_dir(root)
     paths = RuntimePaths(root)
     check_not_running(paths)
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
