@@ -34,6 +34,10 @@ from servectl.config import DEFAULT_ENGINE_ARGS, DEFAULT_MODEL_DIR  # noqa: E402
 
 KV_BYTES = DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
 MAX_MODEL_LEN = 512
+# float32 for both servers: in bfloat16 vLLM picks its AMX attention kernel on
+# AMX CPUs, and `vllm serve`'s worker dies of SIGILL there (nothing asks Linux
+# for AMX tile permission first; servectl's worker does). Same setting for both.
+DTYPE = "float32"
 
 
 def free_port() -> int:
@@ -149,7 +153,8 @@ class VllmServe(Server):
     def start(self) -> None:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEFAULT_MODEL_DIR),
                "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN)]
+               "--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+               "--dtype", DTYPE]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         self.launched = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.workdir / "vllm.log", "ab"),
@@ -206,7 +211,7 @@ class Servectl(Server):
         env_lines = "".join(f'{k} = "{v}"\n' for k, v in self.extra_env.items())
         config.write_text(f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
                           f'[models.engine_args]\nenforce_eager = true\nkv_cache_memory_bytes = {KV_BYTES}\n'
-                          f'max_model_len = {MAX_MODEL_LEN}\n' + (f"[models.env]\n{env_lines}" if env_lines else ""))
+                          f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n' + (f"[models.env]\n{env_lines}" if env_lines else ""))
         self.launched = time.monotonic()
         # `servectl start` returns when ready; the clock runs from launch to first completion either way.
         self.proc = subprocess.Popen([sys.executable, "-m", "servectl.cli", "start", "--config", str(config),
@@ -343,7 +348,7 @@ def markdown(res: dict) -> str:
     v, s = res["vllm serve"], res["servectl"]
     lines = [f"# servectl vs `vllm serve` — {res['date']}", "",
              f"Machine: {res['machine']['cores']} cores, {res['machine']['memory_mib']} MiB, {res['machine']['cpu']}"
-             f", GPU: {res['machine']['gpu'] or 'none'}. Model: the bundled default, eager, KV cache "
+             f", GPU: {res['machine']['gpu'] or 'none'}. Model: the bundled default, eager, {DTYPE}, KV cache "
              f"{KV_BYTES // 2**20} MiB, max_model_len {MAX_MODEL_LEN}; random prompts of {res['params']['input_len']}"
              f" tokens, {res['params']['output_len']} output tokens (ignore_eos).", "",
              "| figure | vllm serve | servectl | ratio |", "|---|---|---|---|"]
