@@ -275,7 +275,7 @@ class Gateway:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         for name, link in self.links.items():
-            self.metrics.waiting.labels(model=name).set(link.waiting)
+            self.metrics.waiting.labels(model=name).set(link.queued())
             stats = await link.stats()
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)
@@ -311,9 +311,11 @@ class Gateway:
         request["log"]["model"] = req.model
         if self.draining:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        if link.waiting >= self.cfg.max_waiting_per_model:
-            raise HttpError(429, f"too many requests waiting for model {req.model!r}", "rate_limit_error",
-                            headers={"Retry-After": "1"})
+        if link.queued() >= self.cfg.max_waiting_per_model:
+            # Admission control (per gateway process): the engine's queue is full.
+            raise HttpError(429, f"too many requests waiting for model {req.model!r} "
+                                 f"(limit {self.cfg.max_waiting_per_model})", "rate_limit_error",
+                            code="too_many_waiting", headers={"Retry-After": "1"})
         sampling, structured = sampling_params(req, chat)
         gens = []
         base = self.new_request_id()
@@ -328,6 +330,7 @@ class Gateway:
                 g.prompt_token_ids = prompt
             gens.append(g)
         self.in_flight += 1
+        link.admitted += 1
         self.idle.clear()
         try:
             try:
@@ -339,6 +342,7 @@ class Gateway:
             return await self.complete(request, req, link, gens, chat, base)
         finally:
             self.in_flight -= 1
+            link.admitted -= 1
             if self.in_flight == 0:
                 self.idle.set()
 

@@ -56,7 +56,9 @@ class EngineLink:
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}
-        self.waiting = 0
+        self.waiting = 0  # held until the engine is ready
+        self.admitted = 0  # held or running in the engine, not finished
+        self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
 
     # ---- following the manager --------------------------------------------------
@@ -126,6 +128,7 @@ class EngineLink:
                     continue  # hello of a different lifetime of the engine
                 self.incarnation = msg.incarnation
                 self.max_model_len = msg.max_model_len
+                self.max_num_seqs = msg.max_num_seqs
                 self.state = "ready"
                 self.ready.set()
                 log.info("engine %s ready (incarnation %s)", self.model, incarnation)
@@ -179,6 +182,10 @@ class EngineLink:
             self.streams.pop(gen.request_id, None)
             raise EngineUnavailable(f"model {self.model!r} is not reachable: {exc}") from None
         return stream
+
+    def queued(self) -> int:
+        """Requests waiting: held for readiness, or beyond what the engine runs at once."""
+        return max(self.waiting, self.admitted - self.max_num_seqs)
 
     async def stats(self, timeout_s: float = 2.0) -> EP.StatsReply | None:
         """The engine's own counters, or None when it is not reachable now."""

@@ -62,6 +62,8 @@ class EngineServer:
         self.control = control
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.model_config.max_model_len
+        sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
         self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freeze_grace_s > 0 else None
         self.owner: dict[str, bytes] = {}  # request id -> gateway identity
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)
@@ -125,7 +127,7 @@ class EngineServer:
             elif isinstance(msg, P.Hello):
                 self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
                                               model=self.spec.model.name, max_model_len=self.max_model_len,
-                                              rejected_frames=self.rejected))
+                                              max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected))
 
     def _check_drained(self) -> None:
         if self.draining and not self.drain_reported and not self.engine.has_unfinished_requests():

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from engine_core.signing import BadSignature, Signer
+from engine_core.worker import EXECUTE_AND_SAMPLE
 from vllm.v1.executor.abstract import Executor
 
 log = logging.getLogger("engine_core.executor")
@@ -83,12 +84,21 @@ class WorkerGroup:
     def call(self, method: str | bytes, args: tuple, kwargs: dict | None,
              per_rank_args: list[tuple] | None = None, output_rank: int | None = None,
              timeout: float | None = None) -> list[Any]:
+        call_id = self.send(method, args, kwargs, per_rank_args, output_rank)
+        return self._gather(call_id, method, timeout if timeout is not None else self.reply_timeout_s)
+
+    def send(self, method: str | bytes, args: tuple, kwargs: dict | None,
+             per_rank_args: list[tuple] | None = None, output_rank: int | None = None) -> int:
+        """Send a call to every worker (all before any reply: TP calls are rendezvous)."""
         self.thaw()
         call_id = next(self._ids)
         for rank, sock in enumerate(self.sockets):
             rank_args = per_rank_args[rank] if per_rank_args is not None else args
             sock.send_multipart(self.signer.dumps((call_id, method, rank_args, kwargs, output_rank)), copy=False)
-        return self._gather(call_id, method, timeout if timeout is not None else self.reply_timeout_s)
+        return call_id
+
+    def gather(self, call_id: int, method: str) -> list[Any]:
+        return self._gather(call_id, method, self.reply_timeout_s)
 
     def _gather(self, call_id: int, method: Any, timeout_s: float) -> list[Any]:
         results: list[Any] = [None] * len(self.sockets)
@@ -161,6 +171,7 @@ class ZmqExecutor(Executor):
 
         current_platform.update_block_size_for_backend(self.vllm_config)
         self.output_rank = world - tp
+        self._fused_call: int | None = None
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False,
                        single_value=False, output_rank=None):
@@ -173,10 +184,23 @@ class ZmqExecutor(Executor):
         return _done(value) if non_block else value
 
     def execute_model(self, scheduler_output, non_block=False):
+        if not getattr(scheduler_output, "has_structured_output_requests", True):
+            # No grammar: sample_tokens will get None, so the worker can sample
+            # right after executing. The engine core then calls
+            # sample_tokens(None), which collects the fused call's reply.
+            self._fused_call = self.group.send(EXECUTE_AND_SAMPLE, (scheduler_output,), None,
+                                               output_rank=self.output_rank)
+            return _done(None) if non_block else None
         return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block,
                                    single_value=True, output_rank=self.output_rank)
 
     def sample_tokens(self, grammar_output, non_block=False):
+        fused, self._fused_call = self._fused_call, None
+        if fused is not None:
+            if grammar_output is not None:  # cannot happen without structured requests; be loud
+                raise RuntimeError("grammar output for a step that was sampled without one")
+            value = self.group.gather(fused, EXECUTE_AND_SAMPLE)[self.output_rank]
+            return _done(value) if non_block else value
         return self.collective_rpc("sample_tokens", args=(grammar_output,), non_block=non_block,
                                    single_value=True, output_rank=self.output_rank)
 

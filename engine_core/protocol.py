@@ -70,6 +70,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     incarnation: str
     model: str
     max_model_len: int
+    max_num_seqs: int = 0
     rejected_frames: int = 0
 
 

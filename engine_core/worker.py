@@ -24,6 +24,9 @@ from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
+# execute_model, then sample_tokens(None) if it returned None: one round trip
+# per step instead of two when no request needs a grammar (see ZmqExecutor).
+EXECUTE_AND_SAMPLE = "__servectl_execute_and_sample__"
 
 
 def serve(sock: zmq.Socket, signer: Signer, rank: int, log) -> None:
@@ -63,7 +66,12 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log) -> None:
             reply = (call_id, True, {"rejected": signer.rejected, "rank": rank, "pid": os.getpid()})
         else:
             try:
-                result = run_method(wrapper, method, args, kwargs or {})
+                if method == EXECUTE_AND_SAMPLE:
+                    result = wrapper.execute_model(*args)
+                    if result is None:
+                        result = wrapper.sample_tokens(None)
+                else:
+                    result = run_method(wrapper, method, args, kwargs or {})
                 if isinstance(result, AsyncModelRunnerOutput):
                     result = result.get_output()
                 if output_rank is not None and output_rank != rank:

@@ -127,7 +127,12 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         err.print(f"[red]{exc}[/red]; the daemon keeps starting in the background (`servectl status`)")
         sys.exit(1)
     failed = [m for m in reply.models if m.state != "ready"]
-    if not failed:
+    broken_gateways = [c for c in reply.children if c.kind == "gateway" and c.state != "ready"]
+    for c in broken_gateways:
+        err.print(f"[red]{c.component} {c.state}[/red]: {c.last_exit or ''}")
+        for line in c.last_log[-10:]:
+            err.print(f"    {line}", markup=False, highlight=False)
+    if not failed and not broken_gateways:
         console.print(f"[green]ready[/green]: {', '.join(m.name for m in reply.models)} on "
                       f"http://{reply.host}:{reply.port}")
         return

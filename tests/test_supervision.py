@@ -25,6 +25,7 @@ CONFIG = f"""
 processes = 2
 hold_timeout_s = 180
 output_timeout_s = 10
+max_waiting_per_model = 2
 
 [manager]
 backoff_initial_s = 0.3
@@ -42,6 +43,8 @@ model = "{DEFAULT_MODEL_DIR}"
 [[models]]
 name = "b"
 model = "{DEFAULT_MODEL_DIR}"
+[models.engine_args]
+max_num_seqs = 2
 
 [[models]]
 name = "broken"
@@ -279,6 +282,22 @@ def test_events_stream_reports_state_changes(sup):
     states = [s for c, s in seen if c == "model:b"]
     assert "exited" in states and "backoff" in states and "starting" in states and "ready" in states
     assert ("worker:b:0", "exited") in seen
+
+
+def test_admission_control_429_past_the_waiting_cap(sup):
+    """Model b runs 2 sequences at once and each gateway queues at most 2 more."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wait_for(lambda: model_state(sup, "b") == "ready", 180, what="b ready")
+    body = {"model": "b", "prompt": "def ", "max_tokens": 300, "ignore_eos": True}
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: post(sup, "/v1/completions", body), range(16)))
+    codes = [r[0] for r in results]
+    assert codes.count(200) >= 4, codes
+    assert 429 in codes, codes
+    refused = next(r for r in results if r[0] == 429)
+    assert refused[1].get("Retry-After") and json.loads(refused[2])["error"]["type"] == "rate_limit_error"
+    assert post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 2})[0] == 200
 
 
 def test_stop_drains_in_flight_requests(tmp_path):
