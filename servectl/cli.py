@@ -137,12 +137,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
                       f"http://{reply.host}:{reply.port}")
         return
     for m in failed:
-        err.print(f"[red]model {m.name} {m.state}[/red]: {m.reason or ''}")
-        for c in reply.children:
-            if c.model == m.name and c.last_log:
-                err.print(f"  last lines of {c.component}:")
-                for line in c.last_log[-10:]:
-                    err.print(f"    {line}", markup=False, highlight=False)
+        show_model_failure(err, m, reply.children)
     sys.exit(1)
 
 
@@ -171,6 +166,16 @@ def stop(runtime_dir, timeout):
         poll.poll()  # the pidfd becomes readable when the manager exits
     os.close(pidfd)
     console.print("stopped")
+
+
+def show_model_failure(out: Console, model: P.ModelStatus, children: list[P.ChildStatus], lines: int = 10) -> None:
+    """A model that is not ready: its reason, then its children's last log lines."""
+    out.print(f"[red]model {model.name} {model.state}[/red]: {model.reason or ''}")
+    for c in children:
+        if c.model == model.name and c.last_log:
+            out.print(f"  last lines of {c.component}:")
+            for line in c.last_log[-lines:]:
+                out.print(f"    {line}", markup=False, highlight=False)
 
 
 def fmt_age(since: float | None) -> str:
@@ -224,12 +229,7 @@ def status(runtime_dir, as_json):
     console.print(table)
     for m in st.models:
         if m.state == "failed":
-            console.print(f"[red]model {m.name} failed[/red]: {m.reason}")
-            for c in st.children:
-                if c.model == m.name and c.last_log:
-                    console.print(f"  last lines of {c.component}:")
-                    for line in c.last_log[-8:]:
-                        console.print(f"    {line}", markup=False, highlight=False)
+            show_model_failure(console, m, st.children)
     sys.exit(0 if ok else 1)
 
 
