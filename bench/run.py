@@ -339,6 +339,7 @@ def ratios(vllm: dict, ours: dict) -> dict:
         r[f"stream_tok_s_c{c}"] = ratio(s["output_throughput"], v.get("output_throughput"))
         r[f"ttft_p50_c{c}"] = ratio(s["median_ttft_ms"], v.get("median_ttft_ms"))
     r["cold_start"] = ratio(ours.get("cold_start_s"), vllm.get("cold_start_s"))
+    r["recovery_vs_own_cold_start"] = ratio(ours.get("worker_kill", {}).get("recovered_s"), ours.get("cold_start_s"))
     r["non_stream_req_s_c32"] = ratio(ours.get("non_stream_c32", {}).get("requests_per_s"),
                                       vllm.get("non_stream_c32", {}).get("requests_per_s"))
     return r
@@ -381,6 +382,17 @@ def markdown(res: dict) -> str:
                             for k, x in c.get("stream", {}).items())
         lines += ["", f"Control-plane ceiling (zero-cost token source through gateway → ZeroMQ → engine loop): "
                       f"{figures}."]
+        for kind, frames in c.get("profile_top_leaf_frames_percent", {}).items():
+            if isinstance(frames, list):
+                lines.append(f"- py-spy, {kind} at the ceiling (c=32), top leaf frames: "
+                             + "; ".join(f"{name} {pct}%" for name, pct in frames[:5]))
+    missed = [f"{k} {v}" for k, v in res["ratios"].items() if v is not None and (
+        (k.startswith("stream_tok_s") and v < 1.0) or (k.startswith("ttft") and v > 1.0)
+        or (k in ("cold_start", "recovery_vs_own_cold_start") and v > 0.5))]
+    if missed:
+        lines += ["", "Targets missed: " + ", ".join(missed) + ". Why, and what would close them: "
+                  "docs/performance.md (throughput: the worker hop, per-step pickles over ZeroMQ with no "
+                  "overlap of scheduling and execution; recovery: a restart re-imports vLLM, no warm standby)."]
     return "\n".join(lines) + "\n"
 
 
@@ -418,6 +430,48 @@ def plots(res: dict, stem: Path) -> list[str]:
     return made
 
 
+def top_frames(collapsed: Path, n: int = 8) -> list[list]:
+    """py-spy's collapsed stacks → the n leaf frames with the most samples, in percent."""
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        leaf = stack.split(";")[-1]
+        leaves[leaf] = leaves.get(leaf, 0) + int(count)
+        total += int(count)
+    ranked = sorted(leaves.items(), key=lambda kv: -kv[1])[:n]
+    return [[name, round(100 * c / max(1, total), 1)] for name, c in ranked]
+
+
+def profile_ceiling(server: "Servectl", work: Path, seconds: int = 8) -> dict:
+    """Where the serving layer's time goes at its ceiling: py-spy on gateway and engine under load."""
+    import shutil
+    import threading
+
+    if not shutil.which("py-spy"):
+        return {"skipped": "py-spy is not installed (pip install py-spy)"}
+    st = server.status()
+    pids = {c["kind"]: c["pid"] for c in st["children"] if c["kind"] in ("gateway", "engine_core")}
+    load = threading.Thread(target=vllm_bench, args=(server.base, 32, 2000, 32, 256, work), daemon=True)
+    load.start()
+    time.sleep(2)
+    procs = {}
+    for kind, pid in pids.items():
+        out = work / f"profile-{kind}.txt"
+        procs[kind] = (out, subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
+                                              "--rate", "200", "--format", "raw", "--nonblocking",
+                                              "--output", str(out)], stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL))
+    result = {}
+    for kind, (out, proc) in procs.items():
+        proc.wait(seconds + 60)
+        result[kind] = top_frames(out) if out.exists() else "no samples"
+    load.join(600)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             res["ceiling"] = {"stream": {str(c): vllm_bench(ceiling.base, c, 256, p.input_len, 256, work)
                                          for c in (8, 32)}}
+            res["ceiling"]["profile_top_leaf_frames_percent"] = profile_ceiling(ceiling, work)
         finally:
             ceiling.stop()
     res["ratios"] = ratios(res["vllm serve"], res["servectl"])

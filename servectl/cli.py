@@ -23,8 +23,9 @@ from servectl import config as C
 from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
 from servectl.paths import resolve_runtime_dir
 
-console = Console()
-err = Console(stderr=True)
+# Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 NOT_RUNNING = 3
 
 
