@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable

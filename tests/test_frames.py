@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import msgspec
-import pytest
 import zmq
 
 from conftest import ROOT, wait_for

@@ -6,7 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import context_switches, read_stat, wait_for
 
