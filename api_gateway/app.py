@@ -396,8 +396,11 @@ class Gateway:
         try:
             while any(v > 0 for v in remaining.values()):
                 try:
-                    rid, item = await asyncio.wait_for(merged.get(), self.cfg.output_timeout_s)
-                except asyncio.TimeoutError:
+                    # A deadline only while this request waits for output; asyncio.timeout
+                    # costs a timer handle per token where wait_for would cost a task.
+                    async with asyncio.timeout(self.cfg.output_timeout_s):
+                        rid, item = await merged.get()
+                except TimeoutError:
                     self.report_hang(link)
                     raise HttpError(503, f"model {link.model!r} produced no output for "
                                          f"{self.cfg.output_timeout_s:g}s; its engine is being restarted",
