@@ -29,7 +29,7 @@ def test_model_card_figures(stats, model_dir):
 def probe(model_dir, stats) -> str:
     name = stats["probe"]["file"]
     sys.path.insert(0, str(ROOT))
-    from servectl.model.train import load_corpus
+    from training.train_default_model import load_corpus
 
     _, held = load_corpus()
     text = held[name][: stats["probe"]["chars"]]
@@ -75,7 +75,7 @@ def test_continues_python(daemon):
 
 def test_training_script_smoke(tmp_path):
     out = tmp_path / "m"
-    proc = subprocess.run([sys.executable, "-m", "servectl.model.train", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "training.train_default_model", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",

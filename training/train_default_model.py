@@ -10,8 +10,8 @@ and against a unigram baseline.
 
 Usage::
 
-    python -m servectl.model.train --out servectl/model/default      # full run
-    python -m servectl.model.train --out /tmp/m --smoke               # seconds
+    python -m training.train_default_model --out servectl/model/default      # full run
+    python -m training.train_default_model --out /tmp/m --smoke               # seconds
 
 Everything is seeded; the full run takes about half an hour on two CPU cores.
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CORPUS_LIST = HERE / "corpus.tsv"
+# The trained model ships as package data of servectl.
+DEFAULT_OUT = HERE.parent / "servectl" / "model" / "default"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS = "<|endoftext|>"
 # ChatML-style template; the model never saw these markers, so chat answers
@@ -142,7 +144,7 @@ def probe_text(held: dict[str, str]) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=HERE / "default")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -263,7 +265,7 @@ def model_card(s: dict) -> str:
 
 servectl's default model: a {s['parameters']:,}-parameter Llama (4 layers, hidden 128,
 2 heads of size 64, vocabulary 2048 byte-level BPE, context 512) trained from
-scratch with `python -m servectl.model.train` (seed {s['seed']}).
+scratch with `python -m training.train_default_model` (seed {s['seed']}).
 
 - Corpus: {s['corpus']}. {s['train_files']} files for training
   ({s['training_tokens']:,} tokens); held out, never trained on: {', '.join(s['held_out_files'])}.
