@@ -384,22 +384,30 @@ class Gateway:
             for s in streams:
                 link.abort(s.request_id)
             raise
-        merged: asyncio.Queue = asyncio.Queue()
         remaining = {s.request_id: n for s in streams}
         index_of = {s.request_id: i for i, s in enumerate(streams)}
+        pumps = []
+        if len(streams) == 1:  # the common case: read the one stream directly
+            only = streams[0]
 
-        async def pump(stream):
-            while True:
-                merged.put_nowait((stream.request_id, await stream.queue.get()))
+            async def next_item():
+                return only.request_id, await only.queue.get()
+        else:
+            merged: asyncio.Queue = asyncio.Queue()
 
-        pumps = [asyncio.ensure_future(pump(s)) for s in streams]
+            async def pump(stream):
+                while True:
+                    merged.put_nowait((stream.request_id, await stream.queue.get()))
+
+            pumps = [asyncio.ensure_future(pump(s)) for s in streams]
+            next_item = merged.get
         try:
             while any(v > 0 for v in remaining.values()):
                 try:
                     # A deadline only while this request waits for output; asyncio.timeout
                     # costs a timer handle per token where wait_for would cost a task.
                     async with asyncio.timeout(self.cfg.output_timeout_s):
-                        rid, item = await merged.get()
+                        rid, item = await next_item()
                 except TimeoutError:
                     self.report_hang(link)
                     raise HttpError(503, f"model {link.model!r} produced no output for "

@@ -65,11 +65,12 @@ class Connection:
     def generate(self, prompts: str | list[str], model: str | None = None, **sampling: Any) -> list[str]:
         """Complete each prompt; sampling keywords are the completions API's (max_tokens, temperature, …)."""
         single = isinstance(prompts, str)
+        timeout = sampling.pop("timeout", 600)
         body = {"model": model or self.models()[0], "prompt": [prompts] if single else list(prompts), **sampling}
         req = urllib.request.Request(f"{self.base_url}/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=sampling.pop("timeout", 600)) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 data = json.load(resp)
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
