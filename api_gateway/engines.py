@@ -50,7 +50,8 @@ class EngineLink:
         self.identity = identity
         self.state = "starting"
         self.reason: str | None = None
-        self.incarnation = ""
+        self.incarnation = ""  # set once the engine answered our Hello
+        self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
         self.ready = asyncio.Event()
         self.sock: zmq.asyncio.Socket | None = None
@@ -65,7 +66,9 @@ class EngineLink:
     def on_model_state(self, state: str, incarnation: str, reason: str | None) -> None:
         self.reason = reason or None
         if state == "ready":
-            if incarnation != self.incarnation or self.sock is None:
+            # The same incarnation is announced again on every freeze/thaw and
+            # in the snapshot: reconnect only for a new engine lifetime.
+            if incarnation != self.connecting_to or self.sock is None:
                 self._connect(incarnation)
             return
         self.state = state
@@ -86,6 +89,7 @@ class EngineLink:
         self.ready.set()
 
     def _connect(self, incarnation: str) -> None:
+        log.info("connecting to engine %s (incarnation %s)", self.model, incarnation)
         self._disconnect("the engine restarted")
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -94,6 +98,7 @@ class EngineLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(f"ipc://{self.socket_path}")
         self.sock = sock
+        self.connecting_to = incarnation
         self.reader = asyncio.get_running_loop().create_task(self._handshake_then_read(sock, incarnation))
 
     def _disconnect(self, why: str) -> None:
@@ -103,7 +108,7 @@ class EngineLink:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
-        self.incarnation = ""
+        self.incarnation = self.connecting_to = ""
         self.ready.clear()
         streams, self.streams = self.streams, {}
         for stream in streams.values():

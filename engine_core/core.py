@@ -349,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     control.connect(RuntimePaths.ipc(paths.control))
     frontend = ctx.socket(zmq.ROUTER)
     frontend.setsockopt(zmq.LINGER, 0)
+    # A gateway that reconnects keeps its identity (gw-<index>-<pid>). Without
+    # handover a ROUTER that still holds the old connection takes the new one
+    # for a duplicate and silently eats its first message (the Hello): that
+    # gateway would wait for this engine forever.
+    frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
     bind_private(frontend, paths.engine(spec.model.name))
 
     def report_freeze(frozen: bool) -> None:

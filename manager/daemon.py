@@ -682,6 +682,10 @@ class Manager:
         self.start_watchdog()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        # A restarted engine comes back as `engine:<model>`; if the old
+        # connection is not torn down yet, the new one must take the name over
+        # (otherwise AbortPeer and Drain would go nowhere). See engine_core.
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.events = self.ctx.socket(zmq.PUB)
         self.events.setsockopt(zmq.LINGER, 0)
         old = os.umask(0o177)

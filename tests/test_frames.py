@@ -17,9 +17,11 @@ from manager import protocol as MP
 GARBAGE = [b"\x00\xff garbage", msgspec.msgpack.encode({"type": "generate", "request_id": 5})]
 
 
-def dealer(path) -> zmq.Socket:
+def dealer(path, identity: bytes | None = None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(f"ipc://{path}")
     return sock
 
@@ -44,6 +46,61 @@ def test_engine_socket_rejects_garbage_and_keeps_serving(daemon):
     assert "rejected frame" in daemon.log("engine_core:default")
     r = daemon.openai().completions.create(model="default", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
+
+
+def test_a_peer_that_reconnects_under_its_identity_is_answered_on_the_new_connection(daemon):
+    """Gateways keep their identity across reconnects, engines across restarts.
+
+    The old connection is still open when the new one arrives (the worst case):
+    without ROUTER_HANDOVER the new connection's first message is eaten and it
+    is never answered.
+    """
+    cases = [(daemon.runtime_dir / "engine-default", EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)),
+              EP.to_gateway_decoder, EP.HelloReply),
+             (daemon.runtime_dir / "control", MP.encoder.encode(MP.StatusRequest()), MP.control_out_decoder,
+              MP.StatusReply)]
+    for path, hello, decoder, reply_type in cases:
+        old, new = dealer(path, b"test-reconnect"), None
+        try:
+            old.send(hello)
+            assert old.poll(10000), f"{path.name}: no reply on the first connection"
+            assert isinstance(decoder.decode(old.recv()), reply_type)
+            new = dealer(path, b"test-reconnect")
+            new.send(hello)
+            assert new.poll(10000), f"{path.name}: the reconnected peer was not answered"
+            assert isinstance(decoder.decode(new.recv()), reply_type)
+        finally:
+            old.close()
+            if new is not None:
+                new.close()
+
+
+def test_gateway_link_does_not_reconnect_for_a_repeated_ready(daemon):
+    """Every freeze/thaw re-announces "ready" for the same engine lifetime."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from api_gateway.engines import EngineLink
+
+    incarnation = next(m.incarnation for m in daemon.status().models if m.name == "default")
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        link = EngineLink("default", str(daemon.runtime_dir / "engine-default"), ctx, b"test-link")
+        try:
+            link.on_model_state("ready", incarnation, None)
+            first = link.sock
+            link.on_model_state("ready", incarnation, None)  # before the Hello is answered
+            await asyncio.wait_for(link.ready.wait(), 30)
+            assert link.sock is first and link.incarnation == incarnation
+            link.on_model_state("ready", incarnation, None)  # after
+            assert link.sock is first and link.ready.is_set()
+        finally:
+            link.remove()
+            ctx.term()
+
+    asyncio.run(scenario())
 
 
 def test_control_socket_rejects_garbage(daemon):
