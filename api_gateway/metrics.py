@@ -34,7 +34,7 @@ class Metrics:
         self.e2e = Histogram("servectl_e2e_request_latency_seconds", "Request latency, end to end", ["model"],
                              buckets=LATENCY_BUCKETS, **reg)
         self.running = Gauge("servectl_requests_running", "Requests the engine has not finished",
-                             ["model"], multiprocess_mode="max", **reg)
+                             ["model"], multiprocess_mode="livemostrecent", **reg)
         self.waiting = Gauge("servectl_requests_waiting", "Requests waiting for their engine to be ready",
                              ["model"], multiprocess_mode="livesum", **reg)
         self.engine_restarts = Counter("servectl_engine_restarts", "Engine group restarts seen", ["model"], **reg)
