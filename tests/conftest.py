@@ -29,15 +29,19 @@ SERVECTL = [sys.executable, "-m", "servectl.cli"]
 SHARED_API_KEY = "sk-servectl-test"
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
-    """Tests may wait with a deadline (product code may not)."""
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", diagnose=None):
+    """Tests may wait with a deadline (product code may not).
+
+    ``diagnose`` returns text (log tails) worth reading when the wait fails.
+    """
     end = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            extra = f"\n{diagnose()}" if diagnose is not None else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
         time.sleep(interval)
 
 
@@ -90,6 +94,10 @@ class Daemon:
     def log(self, component: str) -> str:
         path = self.runtime_dir / "state" / "logs" / f"{component.replace(':', '-')}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tails(self, *components: str, lines: int = 25) -> str:
+        """The last lines of each component's log, for a failing test's message."""
+        return "\n".join(f"--- {c}\n" + "\n".join(self.log(c).splitlines()[-lines:]) for c in components)
 
     def tree(self) -> list[int]:
         return processes_of_instance(self.instance) if self.instance else []

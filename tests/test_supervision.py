@@ -77,6 +77,27 @@ def post(d: Daemon, path: str, body: dict, timeout: float = 300):
         return exc.code, dict(exc.headers), exc.read().decode()
 
 
+class FirstTokenStream:
+    """A streamed completion whose first token has arrived: cut it now, read the rest later."""
+
+    def __init__(self, d: Daemon, body: dict):
+        import http.client
+
+        self.conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=300)
+        self.conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                          {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.status
+        self.first = self.resp.readline()
+        assert self.first.startswith(b"data: {") and b'"error"' not in self.first, self.first
+
+    def rest(self) -> str:
+        try:
+            return (self.first + self.resp.read()).decode()
+        finally:
+            self.conn.close()
+
+
 def pids(d: Daemon) -> dict[str, int]:
     return {c.component: c.pid for c in d.status().children}
 
@@ -122,23 +143,11 @@ def test_restart_clears_failed(sup):
 def test_worker_sigkill_restarts_the_group_only(sup):
     before = pids(sup)
     client = sup.openai(timeout=300)
-    # An in-flight stream of model a, long enough to be cut.
-    status_holder = {}
-
-    def stream():
-        status_holder["result"] = post(sup, "/v1/completions", {
-            "model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True, "stream": True})
-
-    t = threading.Thread(target=stream)
-    t.start()
-    wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("worker:a:0").state == "ready", 30,
-             what="the stream to run")
-    time.sleep(0.3)
+    # An in-flight stream of model a, long enough to be cut, cut after its
+    # first token (a request with no output yet would be re-sent instead).
+    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True})
     os.kill(before["worker:a:0"], signal.SIGKILL)
-    t.join(120)
-    assert not t.is_alive(), "the in-flight stream hung"
-    code, _, body = status_holder["result"]
-    assert code == 200
+    body = stream.rest()
     chunks = [line for line in body.splitlines() if line.startswith("data: ")]
     assert chunks[-1] == "data: [DONE]"
     err = json.loads(chunks[-2][6:])
@@ -156,6 +165,23 @@ def test_worker_sigkill_restarts_the_group_only(sup):
     assert a_engine.restarts >= 1 and sup.child("worker:a:0").restarts >= 1
 
 
+def engine_unfinished(d: Daemon, model: str) -> int:
+    """Ask the engine itself (its gateway socket) how many requests it runs."""
+    import zmq
+
+    from engine_core import protocol as EP
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"ipc://{d.runtime_dir / f'engine-{model}'}")
+        sock.send(EP.encoder.encode(EP.Stats()))
+        assert sock.poll(10000), "the engine did not answer Stats"
+        return EP.to_gateway_decoder.decode(sock.recv()).unfinished
+    finally:
+        sock.close()
+
+
 def test_engine_sigkill_non_stream_gets_503_with_retry_after(sup):
     before = pids(sup)
     result = {}
@@ -166,12 +192,15 @@ def test_engine_sigkill_non_stream_gets_503_with_retry_after(sup):
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(1.0)
+    # Cut it once it has produced output (a request with none yet would be
+    # re-sent, not failed): it is in the engine, and a stream admitted after
+    # it has its first token, so at least one step ran with it.
+    wait_for(lambda: engine_unfinished(sup, "b") >= 1, 30, interval=0.05, what="the request to reach the engine")
+    companion = FirstTokenStream(sup, {"model": "b", "prompt": "x", "max_tokens": 480, "ignore_eos": True})
     os.kill(before["engine_core:b"], signal.SIGKILL)
+    assert "error" in json_lines(companion.rest())[-1]
     t.join(120)
     code, headers, body = result["r"]
-    if code == 200:
-        pytest.skip("the request finished before the kill landed")  # pragma: no cover (slow machines only)
     assert code == 503
     assert "Retry-After" in headers
     assert json.loads(body)["error"]["type"] == "service_unavailable"
@@ -195,14 +224,13 @@ def test_gateway_sigkill_is_restarted_and_the_other_serves(sup):
 
 
 def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
-    gw = sup.status()
-    # Find which gateway serves our connection: send a long stream, kill both? No:
-    # kill whichever gateway holds it, by asking each gateway's log afterwards.
     import socket
 
+    gw = sup.status()
     body = json.dumps({"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True,
                        "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", sup.port))
+    s.settimeout(120)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     received = b""
@@ -210,6 +238,7 @@ def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
         chunk = s.recv(4096)
         assert chunk
         received += chunk
+    assert b'"error"' not in received, received  # a token, not an error event
     # The gateway holding the stream is the one with an established connection to our port.
     holder = None
     for c in gw.children:
@@ -224,26 +253,19 @@ def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
     assert holder is not None
     os.kill(holder.pid, signal.SIGKILL)
     s.close()
-    wait_for(lambda: "aborting 1 request(s) of dead gateway" in sup.log("engine_core:a"), 30,
-             what="the engine to drop the dead gateway's request")
+    # The engine names the gateway by its identity, gw-<index>-<pid>.
+    peer = f"gw-{holder.component.split(':')[1]}-{holder.pid}"
+    wait_for(lambda: f"aborting 1 request(s) of dead gateway {peer}" in sup.log("engine_core:a"), 30,
+             what="the engine to drop the dead gateway's request",
+             diagnose=lambda: sup.log_tails("engine_core:a", "manager", holder.component))
 
 
 def test_hung_worker_is_detected_and_the_group_restarted(sup):
     wait_for(lambda: model_state(sup, "a") == "ready", 120, what="a ready")
     before = pids(sup)
-    result = {}
-
-    def stream():
-        result["r"] = post(sup, "/v1/completions", {"model": "a", "prompt": "def ", "max_tokens": 480,
-                                                    "ignore_eos": True, "stream": True})
-
-    t = threading.Thread(target=stream)
-    t.start()
-    time.sleep(1.0)
+    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True})
     os.kill(before["worker:a:0"], signal.SIGSTOP)  # hung, not dead: only a deadline can tell
-    t.join(120)
-    assert not t.is_alive()
-    code, _, body = result["r"]
+    body = stream.rest()
     assert body.rstrip().endswith("data: [DONE]")
     assert any("error" in c for c in json_lines(body))
     wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("worker:a:0").pid != before["worker:a:0"],
