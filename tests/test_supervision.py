@@ -289,10 +289,19 @@ def test_events_stream_reports_state_changes(sup):
 
     from manager import protocol as MP
 
+    from zmq.utils.monitor import recv_monitor_message
+
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(f"ipc://{sup.runtime_dir / 'events'}")
-    time.sleep(0.5)
+    # Connected once the handshake is done; the subscription follows it on the
+    # same connection and needs a moment to reach the manager's PUB socket.
+    assert monitor.poll(10000), "no connection to the events socket"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    sub.disable_monitor()
+    monitor.close()
+    time.sleep(0.3)
     os.kill(sup.child("worker:b:0").pid, signal.SIGKILL)
     seen = []
     end = time.monotonic() + 180
