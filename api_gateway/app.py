@@ -409,6 +409,11 @@ class Gateway:
                     async with asyncio.timeout(self.cfg.output_timeout_s):
                         rid, item = await next_item()
                 except TimeoutError:
+                    # Queued behind other requests is not hung. The engine answers
+                    # Stats between steps; a step stuck on a hung worker keeps it
+                    # from answering at all.
+                    if await link.stats(self.cfg.output_timeout_s) is not None:
+                        continue
                     self.report_hang(link)
                     raise HttpError(503, f"model {link.model!r} produced no output for "
                                          f"{self.cfg.output_timeout_s:g}s; its engine is being restarted",

@@ -141,6 +141,7 @@ def test_restart_clears_failed(sup):
 
 
 def test_worker_sigkill_restarts_the_group_only(sup):
+    warm = sup.wait_standbys_warm(4)  # a and b: an engine and a worker each
     before = pids(sup)
     client = sup.openai(timeout=300)
     # An in-flight stream of model a, long enough to be cut, cut after its
@@ -163,6 +164,29 @@ def test_worker_sigkill_restarts_the_group_only(sup):
         assert after[keep] == before[keep], keep
     a_engine = sup.child("engine_core:a")
     assert a_engine.restarts >= 1 and sup.child("worker:a:0").restarts >= 1
+    # The restart took the warm standbys (no import paid) ...
+    assert after["engine_core:a"] == warm["engine_core:a"].pid
+    assert after["worker:a:0"] == warm["worker:a:0"].pid
+    assert "handed to its warm standby" in sup.log("manager")
+    # ... and new ones stand by once a serves again; b's are untouched.
+    again = sup.wait_standbys_warm(4)
+    assert again["engine_core:a"].pid not in (warm["engine_core:a"].pid, after["engine_core:a"])
+    assert again["worker:b:0"].pid == warm["worker:b:0"].pid
+
+
+def test_a_killed_standby_is_replaced_and_nothing_else_moves(sup):
+    warm = sup.wait_standbys_warm(4)
+    before = pids(sup)
+    os.kill(warm["worker:b:0"].pid, signal.SIGKILL)
+    wait_for(lambda: (lambda s: "worker:b:0" in s and s["worker:b:0"].pid != warm["worker:b:0"].pid)(
+        sup.standbys()), 60, what="a new standby for worker:b:0")
+    again = sup.wait_standbys_warm(4)
+    assert again["engine_core:b"].pid == warm["engine_core:b"].pid
+    def serving(p: dict[str, int]) -> dict[str, int]:
+        return {k: v for k, v in p.items() if not k.startswith("standby:")}
+
+    assert serving(pids(sup)) == serving(before)
+    assert post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 2})[0] == 200
 
 
 def engine_unfinished(d: Daemon, model: str) -> int:
@@ -340,9 +364,11 @@ def test_admission_control_429_past_the_waiting_cap(sup):
 
 
 def test_stop_drains_in_flight_requests(tmp_path):
-    d = Daemon(tmp_path, config="[manager]\ndrain_timeout_s = 60\n")
+    d = Daemon(tmp_path, config="[manager]\ndrain_timeout_s = 60\nwarm_standby = false\n")
     d.start()
     try:
+        # Standbys are exec'd the moment a group is ready, unless switched off.
+        assert not d.standbys()
         import http.client
 
         # A long streamed request (4 choices × 480 tokens) is in flight when the stop begins.
@@ -373,4 +399,34 @@ def test_stop_drains_in_flight_requests(tmp_path):
         assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 100
         wait_for(lambda: not d.tree(), 60, what="the tree to exit")
     finally:
+        d.kill_all()
+
+
+def test_a_request_queued_past_the_output_timeout_is_not_a_hang(tmp_path):
+    """One sequence at a time and a 1 s output deadline: the third request waits
+    seconds for its first token, while its engine answers between steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = Daemon(tmp_path, config=f"""
+[gateway]
+output_timeout_s = 1
+[manager]
+warm_standby = false
+[[models]]
+name = "one"
+model = "{DEFAULT_MODEL_DIR}"
+[models.engine_args]
+max_num_seqs = 1
+""")
+    d.start()
+    try:
+        engine = d.child("engine_core:one").pid
+        body = {"model": "one", "prompt": "def ", "max_tokens": 400, "ignore_eos": True}
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda _: post(d, "/v1/completions", body), range(3)))
+        assert [r[0] for r in results] == [200, 200, 200], [r[2][:200] for r in results]
+        assert d.child("engine_core:one").pid == engine
+        assert "hung" not in d.log("manager")
+    finally:
+        d.stop()
         d.kill_all()
