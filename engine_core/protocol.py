@@ -7,11 +7,14 @@ loudly at connect, and the engine's incarnation id, so a gateway never mixes
 the frames of two engine lifetimes.
 
 Engine ⇄ worker: pickled vLLM objects, every frame signed (see signing.py).
+
+Manager → standby: one ``Role`` (JSON) on a SOCK_SEQPACKET socketpair, with
+the role's file descriptors attached (SCM_RIGHTS); see standby.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -28,6 +31,27 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     incarnation: str
     freeze_grace_s: float
     worker_reply_timeout_s: float
+
+
+class Role(msgspec.Struct, kw_only=True):
+    """What a warm standby becomes: ``python -m <module> <argv>``, minus the exec.
+
+    An argument ``@fd<N>`` (alone or comma-separated) names the N-th
+    descriptor sent with the role; each side puts its own numbers in.
+    """
+
+    module: Literal["engine_core", "engine_core.worker"]
+    argv: list[str]
+
+
+def resolve_fd_args(argv: list[str], fds: list[int]) -> list[str]:
+    """Replace each argument made only of ``@fd<N>`` items (comma-separated) by their descriptors."""
+
+    def is_ref(item: str) -> bool:
+        return item.startswith("@fd") and item[3:].isdigit()
+
+    return [",".join(str(fds[int(x[3:])]) for x in arg.split(",")) if arg and all(map(is_ref, arg.split(",")))
+            else arg for arg in argv]
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaults=True):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -112,12 +114,22 @@ class Child:
             raise
         finally:
             os.close(w)
+        os.set_blocking(r, False)
+        self._started(r, os.pidfd_open(self.popen.pid))
+
+    def adopt(self, standby: "Child") -> None:
+        """Become the process a warm standby runs (it has been sent our role)."""
+        popen, pidfd, output_fd = standby.popen, standby.pidfd, standby.output_fd
+        standby.popen, standby.pidfd, standby.output_fd = None, None, None
+        self.popen = popen
+        self._started(output_fd, pidfd)
+
+    def _started(self, output_fd: int | None, pidfd: int) -> None:
         # A previous incarnation's pipe may still be open (a grandchild holds
         # it): the manager stops watching and closes it (see Manager.watch).
         self.stale_output_fd = self.output_fd
-        os.set_blocking(r, False)
-        self.output_fd = r
-        self.pidfd = os.pidfd_open(self.popen.pid)
+        self.output_fd = output_fd
+        self.pidfd = pidfd
         self.started_at = time.time()
         if self.starts:
             self.restarts += 1
@@ -172,3 +184,53 @@ class Child:
 
     def tail(self, lines: int = 20) -> list[str]:
         return self.sink.tail(lines)
+
+
+class Standby(Child):
+    """A warm interpreter waiting to become one group member (engine_core/standby.py).
+
+    Exec'd with the member's exact environment; it says ``W`` on its channel
+    once vLLM is imported, then sleeps until ``send_role`` or until the
+    channel closes.
+    """
+
+    def __init__(self, member: Child, log_path: Path, on_change: Callable[["Child", str], None]):
+        super().__init__(f"standby:{member.component}", "standby", member.model, log_path, on_change)
+        self.member = member.component
+        self.env: dict[str, str] = {}
+        self.channel: socket.socket | None = None
+
+    def spawn_standby(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.spawn([sys.executable, "-m", "engine_core.standby", "--channel-fd", str(theirs.fileno())], env,
+                       (theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.channel = ours
+        self.env = env
+
+    def send_role(self, role: bytes, fds: list[int]) -> bool:
+        """Hand over the role and its descriptors; False if the standby is gone."""
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return False
+        try:
+            socket.send_fds(channel, [role], fds)
+            return True
+        except OSError:
+            return False
+        finally:
+            channel.close()
+
+    def release(self) -> None:
+        """No role for it after all: it exits (closing the channel wakes it; SIGTERM if still importing)."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.expected_exit = True
+        self.signal(signal.SIGTERM)

@@ -24,9 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine_core.protocol import EngineSpec  # plain msgspec: no vLLM import
+from engine_core.protocol import EngineSpec, Role, resolve_fd_args  # plain msgspec: no vLLM import
 from manager import protocol as P
-from manager.children import Child, RestartPolicy
+from manager.children import Child, RestartPolicy, Standby
 from manager.sdnotify import notify
 from servectl import config as C
 from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, ensure_private_dir, resolve_runtime_dir
@@ -72,6 +72,10 @@ class EngineGroup:
         self.restart_timer: asyncio.TimerHandle | None = None
         self.stopping = False
         self.drained: asyncio.Future | None = None
+        self.standbys: dict[str, Standby] = {}  # member component -> its warm standby
+        self.standby_timer: asyncio.TimerHandle | None = None
+        self.standby_policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count,
+                                            m.crash_loop_window_s)
 
     @property
     def children(self) -> list[Child]:
@@ -86,6 +90,18 @@ class EngineGroup:
                 child.set(state if state != "exited" else child.state, reason or "")
         self.manager.on_group_change(self)
 
+    def member_envs(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The engine's and the workers' environments (their standbys get the same)."""
+        base = self.manager.child_env(ENGINE_ENV | self.cfg.env)
+        if self.cfg.devices is not None:
+            base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
+        worker_env = dict(base)
+        # Share the cores between the ranks unless the operator said otherwise.
+        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.tensor_parallel_size)))
+        engine_env = dict(base)
+        engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
+        return engine_env, worker_env
+
     def start(self) -> None:
         self.restart_timer = None
         self.stopping = False
@@ -93,20 +109,15 @@ class EngineGroup:
         self.incarnation = secrets.token_hex(6)
         key = secrets.token_bytes(32)
         mgr = self.manager
-        base = mgr.child_env(ENGINE_ENV | self.cfg.env)
-        if self.cfg.devices is not None:
-            base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
-        worker_env = dict(base)
-        # Share the cores between the ranks unless the operator said otherwise.
-        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.tensor_parallel_size)))
+        engine_env, worker_env = self.member_envs()
         for rank, worker in enumerate(self.workers):
             fd = key_pipe(key)
             try:
-                worker.spawn([sys.executable, "-m", "engine_core.worker", "--model", self.name, "--rank", str(rank),
-                              "--runtime-dir", str(mgr.paths.root), "--key-fd", str(fd)], worker_env, (fd,))
+                self.launch(worker, "engine_core.worker", ["--model", self.name, "--rank", str(rank),
+                                                           "--runtime-dir", str(mgr.paths.root), "--key-fd", "@fd0"],
+                            [fd], worker_env)
             finally:
                 os.close(fd)
-            mgr.watch(worker)
         m = mgr.cfg.manager
         spec = msgspec.json.encode(EngineSpec(
             model=self.cfg, runtime_dir=str(mgr.paths.root), incarnation=self.incarnation,
@@ -114,20 +125,69 @@ class EngineGroup:
             worker_reply_timeout_s=m.worker_reply_timeout_s)).decode()
         fd = key_pipe(key)
         pidfds = [w.pidfd for w in self.workers]
-        engine_env = dict(base)
-        engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
         try:
-            self.engine.spawn([sys.executable, "-m", "engine_core", "--spec", spec, "--key-fd", str(fd),
-                               "--worker-pidfds", ",".join(map(str, pidfds))], engine_env, (fd, *pidfds))
+            self.launch(self.engine, "engine_core",
+                        ["--spec", spec, "--key-fd", "@fd0",
+                         "--worker-pidfds", ",".join(f"@fd{i + 1}" for i in range(len(pidfds)))],
+                        [fd, *pidfds], engine_env)
         finally:
             os.close(fd)
-        mgr.watch(self.engine)
         self.set_state("starting")
+
+    def launch(self, member: Child, module: str, args: list[str], fds: list[int], env: dict[str, str]) -> None:
+        """Hand the role to the member's warm standby if it has one, else exec it cold."""
+        mgr = self.manager
+        standby = self.standbys.pop(member.component, None)
+        if standby is not None:
+            if standby.env == env and mgr.hand_over(standby, member, Role(module=module, argv=args), fds):
+                return
+            mgr.release(standby)  # gone, or made for another configuration
+        member.spawn([sys.executable, "-m", module, *resolve_fd_args(args, fds)], env, tuple(fds))
+        mgr.watch(member)
+
+    # ---- warm standbys -------------------------------------------------------------
+    def refill_standbys(self) -> None:
+        """One standby per member, exec'd once the group serves (never competing with its start)."""
+        self.standby_timer = None
+        mgr = self.manager
+        if not mgr.cfg.manager.warm_standby or self.stopping or self.state != "ready" or mgr.shutdown_started:
+            return
+        engine_env, worker_env = self.member_envs()
+        for member in self.children:
+            if member.component not in self.standbys:
+                standby = Standby(member, mgr.log_dir / f"standby-{member.component.replace(':', '-')}.log",
+                                  mgr.on_child_change)
+                standby.spawn_standby(engine_env if member is self.engine else worker_env)
+                self.standbys[member.component] = standby
+                mgr.watch_standby(standby)
+
+    def release_standbys(self) -> list[Child]:
+        if self.standby_timer:
+            self.standby_timer.cancel()
+            self.standby_timer = None
+        released = list(self.standbys.values())
+        self.standbys.clear()
+        for standby in released:
+            self.manager.release(standby)
+        return [s for s in released if s.alive]
+
+    def on_standby_exit(self, standby: Standby) -> None:
+        if self.standbys.get(standby.member) is not standby:
+            return  # released: an exit we asked for
+        del self.standbys[standby.member]
+        standby.set("exited", standby.last_exit or "")
+        delay = self.standby_policy.record_exit(time.monotonic())
+        if delay is None:
+            log.error("model %s: standbys keep dying (%s); restarts will be cold", self.name, standby.last_exit)
+            return
+        log.warning("model %s: %s %s; a new one in %.1fs", self.name, standby.component, standby.last_exit, delay)
+        self.standby_timer = asyncio.get_running_loop().call_later(delay, self.refill_standbys)
 
     def on_ready(self, incarnation: str) -> None:
         if incarnation != self.incarnation or self.stopping:
             return
         self.set_state("ready")
+        self.refill_standbys()
 
     def on_member_exit(self, child: Child) -> None:
         if self.stopping:
@@ -146,6 +206,7 @@ class EngineGroup:
             return  # wait until every member is gone, then decide
         delay = self.policy.record_exit(time.monotonic())
         if delay is None:
+            self.release_standbys()
             self.set_state("failed", f"{self.reason}; {self.policy.crash_loop_count} exits within "
                                      f"{self.policy.window_s:g}s")
             log.error("model %s failed: %s", self.name, self.reason)
@@ -175,6 +236,7 @@ class EngineGroup:
         if self.restart_timer:
             self.restart_timer.cancel()
             self.restart_timer = None
+        leaving = self.release_standbys()
         alive = [c for c in self.children if c.alive]
         if alive:
             self.state = "stopping"
@@ -185,7 +247,8 @@ class EngineGroup:
             for c in alive:
                 c.signal(signal.SIGCONT)
                 c.signal(signal.SIGTERM)
-            await self.manager.wait_exit(alive, grace_s)
+        if alive or leaving:
+            await self.manager.wait_exit(alive + leaving, grace_s)
         self.frozen = False
         self.set_state("stopped")
 
@@ -234,6 +297,7 @@ class Manager:
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}
         self.gateways = [Gateway(i, self) for i in range(cfg.gateway.processes)]
         self.settled_waiters: list[bytes] = []
+        self.released_standbys: set[Standby] = set()  # told to go, not yet reaped
         self.shutdown_started = False
         self.done = asyncio.Event()
         self.listen_sock: socket.socket | None = None
@@ -267,7 +331,50 @@ class Manager:
             child.stale_output_fd = None
         loop.add_reader(child.pidfd, self._on_exit, child)
         fd = child.output_fd
-        loop.add_reader(fd, self._on_output, child, fd)
+        if fd is not None:
+            loop.add_reader(fd, self._on_output, child, fd)
+
+    def watch_standby(self, standby: Standby) -> None:
+        self.watch(standby)
+        asyncio.get_running_loop().add_reader(standby.channel.fileno(), self._on_standby_says, standby)
+
+    def _on_standby_says(self, standby: Standby) -> None:
+        channel = standby.channel
+        try:
+            said = channel.recv(16)
+        except BlockingIOError:
+            return
+        except OSError:
+            said = b""
+        if said == b"W":
+            standby.set("ready")
+        else:  # it is going; its pidfd tells the rest
+            asyncio.get_running_loop().remove_reader(channel.fileno())
+
+    def hand_over(self, standby: Standby, member: Child, role: Role, fds: list[int]) -> bool:
+        """Make a warm standby the member: send it the role, then watch it as the member."""
+        loop = asyncio.get_running_loop()
+        if standby.channel is not None:
+            loop.remove_reader(standby.channel.fileno())
+        if not standby.alive or not standby.send_role(msgspec.json.encode(role), fds):
+            return False
+        loop.remove_reader(standby.pidfd)
+        output_fd = standby.output_fd
+        if output_fd is not None:
+            loop.remove_reader(output_fd)
+            standby.read_output()  # what it said while warming stays in its own log
+        standby.sink.close()
+        member.adopt(standby)
+        self.watch(member)
+        log.info("%s: handed to its warm standby (pid %d)", member.component, member.pid)
+        return True
+
+    def release(self, standby: Standby) -> None:
+        if standby.channel is not None:
+            asyncio.get_running_loop().remove_reader(standby.channel.fileno())
+        standby.release()
+        if standby.alive:
+            self.released_standbys.add(standby)
 
     def _on_output(self, child: Child, fd: int) -> None:
         if child.output_fd != fd or not child.read_output():
@@ -286,6 +393,15 @@ class Manager:
         log.info("%s (pid %s) exited: %s", child.component, child.popen.pid, how)
         if child.kind == "gateway":
             self._on_gateway_exit(self.gateways[int(child.component.split(":")[1])])
+        elif isinstance(child, Standby):
+            self.released_standbys.discard(child)
+            if child.channel is not None:
+                asyncio.get_running_loop().remove_reader(child.channel.fileno())
+                child.channel.close()
+                child.channel = None
+            group = self.groups.get(child.model)
+            if group is not None:
+                group.on_standby_exit(child)
         else:
             self.groups[child.model].on_member_exit(child)
         self._check_settled()
@@ -490,7 +606,8 @@ class Manager:
 
     def status(self) -> P.StatusReply:
         children = []
-        for c in [gw.child for gw in self.gateways] + [c for g in self.groups.values() for c in g.children]:
+        for c in [gw.child for gw in self.gateways] + [
+                c for g in self.groups.values() for c in [*g.children, *g.standbys.values()]]:
             state = c.state
             group = self.groups.get(c.model) if c.model else None
             if group and group.frozen and c.kind == "worker" and state == "ready":
@@ -563,6 +680,11 @@ class Manager:
             self.groups[name] = group
             self.cfg.models = [fresh[name] if m.name == name else m for m in self.cfg.models]
             group.start()
+        for group in self.groups.values():  # [manager] warm_standby may have changed
+            if new.manager.warm_standby:
+                group.refill_standbys()
+            else:
+                group.release_standbys()
         if gateway_changed:
             await self.replace_gateways(new.gateway)
         notify("READY=1\nSTATUS=serving")
@@ -658,8 +780,9 @@ class Manager:
 
     def reap_strays(self) -> None:
         """Reap exited orphans reparented to us; our own children are reaped through pidfds."""
-        ours = {c.popen.pid for g in self.groups.values() for c in g.children if c.popen} | {
-            gw.child.popen.pid for gw in self.gateways if gw.child.popen}
+        ours = {c.popen.pid for g in self.groups.values() for c in [*g.children, *g.standbys.values()] if c.popen} | {
+            gw.child.popen.pid for gw in self.gateways if gw.child.popen} | {
+            s.popen.pid for s in self.released_standbys if s.popen}
         me = str(os.getpid())
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) in ours:

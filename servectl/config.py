@@ -30,7 +30,8 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     processes: PositiveInt = 1
     # Requests that arrive while their engine restarts wait this long.
     hold_timeout_s: PositiveFloat = 60.0
-    # No engine output for an in-flight request this long: the group is hung.
+    # No output for an in-flight request this long, and then no answer from its
+    # engine for as long again (a step stuck on a hung worker): the group is hung.
     output_timeout_s: PositiveFloat = 120.0
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     max_waiting_per_model: PositiveInt = 256
@@ -51,6 +52,9 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_reply_timeout_s: PositiveFloat = 120.0
     # An idle engine freezes its workers after this long (0 disables).
     freeze_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # One interpreter per group member that has imported vLLM and waits for a
+    # crash restart to hand it the role (costs host memory, no CPU, no GPU).
+    warm_standby: bool = True
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

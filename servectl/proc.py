@@ -51,6 +51,7 @@ def setup_child_logging(name: str) -> logging.Logger:
         level=os.environ.get("SERVECTL_LOG_LEVEL", "INFO"),
         format=f"{stamp}{name} %(levelname)s %(message)s",
         stream=sys.stderr,
+        force=True,  # a warm standby configured logging before it knew its role
     )
     return logging.getLogger(name)
 

@@ -91,6 +91,16 @@ class Daemon:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", self.api_key), max_retries=0,
                              timeout=kw.pop("timeout", 120), **kw)
 
+    def standbys(self) -> dict[str, object]:
+        """Warm standbys by the member they stand in for (``worker:a:0``)."""
+        return {c.component.removeprefix("standby:"): c for c in self.status().children if c.kind == "standby"}
+
+    def wait_standbys_warm(self, count: int, timeout: float = 180) -> dict[str, object]:
+        """Until ``count`` standbys have imported vLLM and sleep waiting for a role."""
+        return wait_for(lambda: (lambda s: len(s) == count and all(c.state == "ready" for c in s.values()) and s)(
+            self.standbys()), timeout, interval=0.5, what=f"{count} warm standbys",
+            diagnose=lambda: str(self.standbys()))
+
     def log(self, component: str) -> str:
         path = self.runtime_dir / "state" / "logs" / f"{component.replace(':', '-')}.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -80,3 +80,12 @@ def test_describe_exit():
 
     assert describe_exit(0, os.CLD_EXITED) == "exit code 0"
     assert describe_exit(9, os.CLD_KILLED) == "signal SIGKILL"
+
+
+def test_fd_references_are_resolved_only_where_a_whole_argument_names_them():
+    from engine_core.protocol import resolve_fd_args
+
+    argv = ["--spec", '{"env": {"X": "@fd0"}}', "--key-fd", "@fd0", "--worker-pidfds", "@fd1,@fd2",
+            "--none", "", "--text", "@fdx"]
+    assert resolve_fd_args(argv, [7, 11, 12]) == [
+        "--spec", '{"env": {"X": "@fd0"}}', "--key-fd", "7", "--worker-pidfds", "11,12", "--none", "", "--text", "@fdx"]

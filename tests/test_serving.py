@@ -93,11 +93,14 @@ def test_models_and_health(daemon):
 
 
 def test_status_lists_every_kind_as_children_of_the_manager(daemon):
+    daemon.wait_standbys_warm(2)
     proc = daemon.cli("status", "--json")
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
     kinds = {c["kind"] for c in st["children"]}
-    assert kinds == {"gateway", "engine_core", "worker"}
+    assert kinds == {"gateway", "engine_core", "worker", "standby"}
+    standbys = sorted(c["component"] for c in st["children"] if c["kind"] == "standby")
+    assert standbys == ["standby:engine_core:default", "standby:worker:default:0"]
     manager = st["manager_pid"]
     assert Path(f"/proc/{manager}").exists()
     for c in st["children"]:
@@ -141,6 +144,8 @@ def test_idle_tree_sleeps(daemon):
     client = daemon.openai()
     for _ in range(4):
         client.completions.create(model="default", prompt="def f(", max_tokens=16)
+    # The standbys, part of the tree, sleep too once they have imported vLLM.
+    daemon.wait_standbys_warm(2)
     # Past the freeze grace (1 s here): the engine has frozen its workers.
     wait_for(lambda: all(c.state == "idle (frozen)" for c in daemon.status().children if c.kind == "worker"),
              30, what="workers frozen")

@@ -1,0 +1,84 @@
+"""A warm standby: an interpreter that has already imported torch and vLLM.
+
+Most of an engine's or worker's start is importing (seconds of CPU per
+process); loading the model and sizing the KV cache come after. The manager
+keeps one standby per group member, exec'd with that member's exact
+environment, so a group restart after a crash hands each role to a process
+that only has to load the model.
+
+    python -m engine_core.standby --channel-fd N
+
+The standby imports, says ``W`` (warm) on its channel and then sleeps in
+``recvmsg`` until the manager sends a ``Role`` with the role's descriptors
+attached, or closes the channel (then it exits 0). It never touches a device
+before it has a role: on a GPU host it holds no GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import msgspec
+
+from engine_core.protocol import Role, resolve_fd_args
+from servectl.proc import die_with_parent, setup_child_logging
+
+MAX_ROLE_BYTES = 1 << 20
+MAX_FDS = 64
+
+
+def preload() -> None:
+    """Import what an engine and a worker import before they touch the model."""
+    import torch  # noqa: F401
+    import vllm  # noqa: F401
+    from vllm.engine.arg_utils import EngineArgs  # noqa: F401
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401
+    from vllm.v1.outputs import AsyncModelRunnerOutput  # noqa: F401
+    from vllm.v1.serial_utils import run_method  # noqa: F401
+    from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: F401
+
+    import engine_core.core  # noqa: F401
+    import engine_core.executor  # noqa: F401
+    import engine_core.worker  # noqa: F401
+
+
+def wait_for_role(channel: socket.socket) -> tuple[Role, list[int]] | None:
+    msg, fds, _flags, _addr = socket.recv_fds(channel, MAX_ROLE_BYTES, MAX_FDS)
+    if not msg:
+        return None  # the manager let us go
+    return msgspec.json.decode(msg, type=Role), fds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine_core.standby")
+    ap.add_argument("--channel-fd", type=int, required=True)
+    args = ap.parse_args(argv)
+    die_with_parent()
+    log = setup_child_logging("standby")
+    channel = socket.socket(fileno=args.channel_fd)
+    try:
+        preload()
+    except Exception:
+        # Whatever broke here breaks the cold start too, where it is reported
+        # in the role's own log; a standby just does not stand by.
+        log.exception("preloading failed")
+        return 1
+    channel.sendall(b"W")
+    got = wait_for_role(channel)
+    channel.close()
+    if got is None:
+        return 0
+    role, fds = got
+    role_argv = resolve_fd_args(role.argv, fds)
+    sys.argv = [f"python -m {role.module}", *role_argv]
+    if role.module == "engine_core":
+        from engine_core.core import main as role_main
+    else:
+        from engine_core.worker import main as role_main
+    return role_main(role_argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
