@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         # in the role's own log; a standby just does not stand by.
         log.exception("preloading failed")
         return 1
-    channel.sendall(b"W")
+    try:
+        channel.sendall(b"W")
+    except OSError:
+        pass  # the manager closed its end: it sent a role while we imported, or let us go
     got = wait_for_role(channel)
     channel.close()
     if got is None:

@@ -174,6 +174,28 @@ def test_worker_sigkill_restarts_the_group_only(sup):
     assert again["worker:b:0"].pid == warm["worker:b:0"].pid
 
 
+def test_a_second_crash_takes_the_standbys_while_they_still_import(sup):
+    warm = {c.pid for c in sup.wait_standbys_warm(4).values()}
+    os.kill(sup.child("worker:a:0").pid, signal.SIGKILL)
+
+    def back_with_fresh_standbys():
+        if model_state(sup, "a") != "ready":
+            return None
+        fresh = {k: v for k, v in sup.standbys().items() if k in ("engine_core:a", "worker:a:0") and v.pid not in warm}
+        return fresh if len(fresh) == 2 else None
+
+    fresh = wait_for(back_with_fresh_standbys, 180, interval=0.1, what="a ready with new standbys")
+    assert all(c.state == "starting" for c in fresh.values()), fresh  # still importing vLLM
+    os.kill(sup.child("worker:a:0").pid, signal.SIGKILL)
+    # The role waits in the socket until the import is done; nothing crashes on the way.
+    wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("engine_core:a").pid == fresh["engine_core:a"].pid,
+             180, interval=0.5, what="a back on the standbys that were still importing",
+             diagnose=lambda: sup.log_tails("manager", "engine_core:a", "worker:a:0"))
+    assert sup.child("worker:a:0").pid == fresh["worker:a:0"].pid
+    r = sup.openai().completions.create(model="a", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
 def test_a_killed_standby_is_replaced_and_nothing_else_moves(sup):
     warm = sup.wait_standbys_warm(4)
     before = pids(sup)
