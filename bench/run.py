@@ -281,20 +281,33 @@ async def non_stream_load(base: str, concurrency: int, total: int, output_len: i
     body = {"model": "default", "prompt": "def handler(request):\n", "max_tokens": output_len,
             "ignore_eos": True}
     sem = asyncio.Semaphore(concurrency)
-    ok = 0
+    ok = failed = 0
 
     async def one(session):
-        nonlocal ok
+        nonlocal ok, failed
         async with sem:
-            async with session.post(f"{base}/v1/completions", json=body) as r:
-                await r.read()
-                ok += r.status == 200
+            for attempt in (1, 2):
+                try:
+                    async with session.post(f"{base}/v1/completions", json=body) as r:
+                        await r.read()
+                        ok += r.status == 200
+                        failed += r.status != 200
+                        return
+                except aiohttp.ServerDisconnectedError:
+                    # A pooled keep-alive connection the server closed as we reused it:
+                    # the request never reached it, so it is sent once more.
+                    if attempt == 2:
+                        failed += 1
+                except aiohttp.ClientError:
+                    failed += 1
+                    return
 
     t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(one(session) for _ in range(total)))
     elapsed = time.monotonic() - t0
-    return {"requests": total, "ok": ok, "seconds": round(elapsed, 3), "requests_per_s": round(ok / elapsed, 2)}
+    return {"requests": total, "ok": ok, "failed": failed, "seconds": round(elapsed, 3),
+            "requests_per_s": round(ok / elapsed, 2)}
 
 
 def measure_idle(server: Server, seconds: float) -> dict:
