@@ -231,12 +231,12 @@ class EngineGroup:
         self.manager.send_to_engine(self, P.Drain())
         await asyncio.wait([self.drained], timeout=timeout_s)
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float, keep_standbys: bool = False) -> None:
         self.stopping = True
         if self.restart_timer:
             self.restart_timer.cancel()
             self.restart_timer = None
-        leaving = self.release_standbys()
+        leaving = [] if keep_standbys else self.release_standbys()
         alive = [c for c in self.children if c.alive]
         if alive:
             self.state = "stopping"
@@ -254,7 +254,7 @@ class EngineGroup:
 
     async def restart(self, grace_s: float) -> None:
         await self.drain(self.manager.cfg.manager.drain_timeout_s)
-        await self.stop(grace_s)
+        await self.stop(grace_s, keep_standbys=True)  # same configuration: the standbys fit
         self.policy.reset()
         self.start()
 

@@ -269,6 +269,16 @@ def test_gateway_sigkill_is_restarted_and_the_other_serves(sup):
         assert after[keep] == before[keep], keep
 
 
+def test_an_operator_restart_takes_the_standbys_too(sup):
+    warm = sup.wait_standbys_warm(4)
+    assert sup.cli("restart", "b").returncode == 0
+    wait_for(lambda: model_state(sup, "b") == "ready" and sup.child("engine_core:b").pid == warm["engine_core:b"].pid,
+             180, interval=0.5, what="b restarted on its standbys",
+             diagnose=lambda: sup.log_tails("manager"))
+    assert sup.child("worker:b:0").pid == warm["worker:b:0"].pid
+    assert post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 2})[0] == 200
+
+
 def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
     import socket
 
