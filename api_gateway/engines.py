@@ -194,7 +194,7 @@ class EngineLink:
 
     async def stats(self, timeout_s: float = 2.0) -> EP.StatsReply | None:
         """The engine's own counters, or None when it is not reachable now."""
-        if self.sock is None or not self.ready.is_set():
+        if self.sock is None or not self.incarnation:  # no engine lifetime has answered our Hello
             return None
         fut = asyncio.get_running_loop().create_future()
         self.stats_waiters.append(fut)
