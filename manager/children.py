@@ -216,21 +216,15 @@ class Standby(Child):
 
     def send_role(self, role: bytes, fds: list[int]) -> bool:
         """Hand over the role and its descriptors; False if the standby is gone."""
-        channel, self.channel = self.channel, None
-        if channel is None:
+        if self.channel is None:
             return False
         try:
-            socket.send_fds(channel, [role], fds)
+            socket.send_fds(self.channel, [role], fds)
             return True
         except OSError:
             return False
-        finally:
-            channel.close()
 
     def release(self) -> None:
-        """No role for it after all: it exits (closing the channel wakes it; SIGTERM if still importing)."""
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        """No role for it after all (the manager has hung up its channel): it exits."""
         self.expected_exit = True
-        self.signal(signal.SIGTERM)
+        self.signal(signal.SIGTERM)  # a waiting standby reads EOF anyway; one still importing needs this

@@ -148,7 +148,9 @@ class EngineGroup:
     # ---- warm standbys -------------------------------------------------------------
     def refill_standbys(self) -> None:
         """One standby per member, exec'd once the group serves (never competing with its start)."""
-        self.standby_timer = None
+        if self.standby_timer:
+            self.standby_timer.cancel()  # called early (the group became ready): this call does its work
+            self.standby_timer = None
         mgr = self.manager
         if not mgr.cfg.manager.warm_standby or self.stopping or self.state != "ready" or mgr.shutdown_started:
             return
@@ -349,15 +351,22 @@ class Manager:
         if said == b"W":
             standby.set("ready")
         else:  # it is going; its pidfd tells the rest
+            self._hang_up(standby)
+
+    def _hang_up(self, standby: Standby) -> None:
+        """Stop listening to a standby's channel and close our end (it reads EOF if it still waits)."""
+        channel, standby.channel = standby.channel, None
+        if channel is not None:
             asyncio.get_running_loop().remove_reader(channel.fileno())
+            channel.close()
 
     def hand_over(self, standby: Standby, member: Child, role: Role, fds: list[int]) -> bool:
         """Make a warm standby the member: send it the role, then watch it as the member."""
-        loop = asyncio.get_running_loop()
-        if standby.channel is not None:
-            loop.remove_reader(standby.channel.fileno())
-        if not standby.alive or not standby.send_role(msgspec.json.encode(role), fds):
+        sent = standby.alive and standby.send_role(msgspec.json.encode(role), fds)
+        self._hang_up(standby)
+        if not sent:
             return False
+        loop = asyncio.get_running_loop()
         loop.remove_reader(standby.pidfd)
         output_fd = standby.output_fd
         if output_fd is not None:
@@ -370,8 +379,7 @@ class Manager:
         return True
 
     def release(self, standby: Standby) -> None:
-        if standby.channel is not None:
-            asyncio.get_running_loop().remove_reader(standby.channel.fileno())
+        self._hang_up(standby)
         standby.release()
         if standby.alive:
             self.released_standbys.add(standby)
@@ -395,10 +403,7 @@ class Manager:
             self._on_gateway_exit(self.gateways[int(child.component.split(":")[1])])
         elif isinstance(child, Standby):
             self.released_standbys.discard(child)
-            if child.channel is not None:
-                asyncio.get_running_loop().remove_reader(child.channel.fileno())
-                child.channel.close()
-                child.channel = None
+            self._hang_up(child)
             group = self.groups.get(child.model)
             if group is not None:
                 group.on_standby_exit(child)
