@@ -27,23 +27,14 @@ from aiohttp import web
 from api_gateway import protocol as H
 from api_gateway.engines import EngineLink, EngineRequestError, EngineUnavailable
 from api_gateway.metrics import Metrics
-from engine_core import protocol as EP
-from manager import protocol as MP
+from servectl.wire import control as MP
+from servectl.wire import engine as EP
+from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity
 from servectl import __version__
-from servectl.config import GatewayConfig
 from servectl.paths import RuntimePaths
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
-
-
-class GatewaySpec(msgspec.Struct, kw_only=True):
-    index: int
-    runtime_dir: str
-    instance: str
-    gateway: GatewayConfig
-    models: list[str]
-    drain_timeout_s: float = 30.0
 
 
 class HttpError(Exception):
@@ -91,7 +82,7 @@ class Gateway:
         self.spec = spec
         self.cfg = spec.gateway
         self.paths = RuntimePaths(Path(spec.runtime_dir))
-        self.identity = f"gw-{spec.index}-{os.getpid()}"
+        self.identity = gateway_identity(spec.index, os.getpid())
         self.ctx = zmq.asyncio.Context()
         self.links = {name: EngineLink(name, str(self.paths.engine(name)), self.ctx, self.identity.encode())
                       for name in spec.models}
@@ -611,7 +602,7 @@ class Gateway:
         await runner.setup()
         site = web.SockSite(runner, sock)
         await site.start()
-        await self.control.send(MP.encoder.encode(MP.ChildReady(component=f"gateway:{self.spec.index}",
+        await self.control.send(MP.encoder.encode(MP.ChildReady(component=gateway_component(self.spec.index),
                                                                 pid=os.getpid())))
         log.info("gateway %d serving on fd %d", self.spec.index, listen_fd)
         await stop.wait()

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine_core import protocol as EP
+from servectl.wire import engine as EP
 
 log = logging.getLogger("api_gateway.engines")
 

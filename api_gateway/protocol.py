@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -196,6 +196,4 @@ class ErrorBody(Struct, kw_only=True):
 class ErrorResponse(Struct, kw_only=True):
     error: ErrorBody
 
-
-AnyResponse = Union[CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse]
 encoder = msgspec.json.Encoder()

@@ -17,7 +17,6 @@ import importlib
 import json
 import logging
 import os
-import secrets
 import sys
 import time
 from collections import defaultdict
@@ -27,10 +26,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_core import protocol as P
+from servectl.wire import engine as P
 from engine_core.signing import Signer, read_key
-from manager import protocol as MP
-from servectl.paths import RuntimePaths
+from servectl.wire import control as MP
+from servectl.wire.spawn import EngineSpec, engine_component, engine_identity
+from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 
 log = logging.getLogger("engine_core")
@@ -48,7 +48,7 @@ class BadRequest(Exception):
 class EngineServer:
     """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER."""
 
-    def __init__(self, spec: P.EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
+    def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -68,7 +68,6 @@ class EngineServer:
         self.owner: dict[str, bytes] = {}  # request id -> gateway identity
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)
         self.prompt_sent: set[str] = set()
-        self.echo: dict[str, str] = {}
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
@@ -316,16 +315,6 @@ class EngineServer:
         return out
 
 
-def bind_private(sock: zmq.Socket, path: Path) -> None:
-    old = os.umask(0o177)
-    try:
-        if path.exists():
-            path.unlink()
-        sock.bind(RuntimePaths.ipc(path))
-    finally:
-        os.umask(old)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_core")
     ap.add_argument("--spec", help="EngineSpec as JSON (from the manager)")
@@ -336,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.check:
         return check_engine_args(json.loads(args.engine_args or "{}"))
-    spec = msgspec.json.decode(args.spec, type=P.EngineSpec)
+    spec = msgspec.json.decode(args.spec, type=EngineSpec)
     die_with_parent()
     setup_child_logging(f"engine_core[{spec.model.name}]")
     key = read_key(args.key_fd)
@@ -344,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = RuntimePaths(Path(spec.runtime_dir))
     ctx = zmq.Context()
     control = ctx.socket(zmq.DEALER)
-    control.setsockopt(zmq.IDENTITY, f"engine:{spec.model.name}".encode())
+    control.setsockopt(zmq.IDENTITY, engine_identity(spec.model.name))
     control.setsockopt(zmq.LINGER, 1000)
     control.connect(RuntimePaths.ipc(paths.control))
     frontend = ctx.socket(zmq.ROUTER)
@@ -395,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         return 75
     server = EngineServer(spec, engine, group, frontend, control)
     control.send(MP.encoder.encode(MP.ChildReady(
-        component=f"engine_core:{spec.model.name}", pid=os.getpid(), incarnation=spec.incarnation,
+        component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
         detail=json.dumps({"max_model_len": server.max_model_len}))))
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     try:
@@ -420,6 +409,3 @@ def check_engine_args(engine_args: dict[str, Any]) -> int:
         return 2
     return 0
 
-
-def new_incarnation() -> str:
-    return secrets.token_hex(6)

@@ -22,7 +22,7 @@ import sys
 
 import msgspec
 
-from engine_core.protocol import Role, resolve_fd_args
+from servectl.wire.spawn import Role, resolve_fd_args
 from servectl.proc import die_with_parent, setup_child_logging
 
 MAX_ROLE_BYTES = 1 << 20

@@ -20,7 +20,7 @@ from pathlib import Path
 import zmq
 
 from engine_core.signing import BadSignature, Signer, read_key
-from servectl.paths import RuntimePaths
+from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
@@ -100,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    old_umask = os.umask(0o177)  # the socket file is created 0600
-    try:
-        if path.exists():
-            path.unlink()
-        sock.bind(RuntimePaths.ipc(path))
-    finally:
-        os.umask(old_umask)
+    bind_private(sock, path)
     log.info("listening on %s", path)
     serve(sock, signer, args.rank, log)
     return 0

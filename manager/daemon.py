@@ -24,8 +24,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine_core.protocol import EngineSpec, Role, resolve_fd_args  # plain msgspec: no vLLM import
-from manager import protocol as P
+from servectl.wire import control as P
+from servectl.wire.spawn import EngineSpec, GatewaySpec, Role, resolve_fd_args
 from manager.children import Child, RestartPolicy, Standby
 from manager.sdnotify import notify
 from servectl import config as C

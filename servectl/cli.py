@@ -18,10 +18,11 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from manager import protocol as P
+from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
 from servectl.paths import resolve_runtime_dir
+from servectl.proc import stat_fields
 
 # Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -192,14 +193,14 @@ def proc_usage(pid: int | None) -> tuple[str, str]:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
         ticks = int(fields[11]) + int(fields[12])
         start = int(fields[19])
         hz = os.sysconf("SC_CLK_TCK")
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         age = max(1e-3, uptime - start / hz)
         return f"{rss_kb / 1024:.0f} MiB", f"{100 * ticks / hz / age:.1f}%"
-    except (OSError, StopIteration, ValueError, IndexError):
+    except (OSError, StopIteration, ValueError, IndexError, TypeError):
         return "-", "-"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import zmq
 
-from manager import protocol as P
+from servectl.wire import control as P
 from servectl.paths import RuntimePaths
 
 
@@ -54,22 +54,14 @@ def manager_command(config_json: str, extra: list[str] | None = None) -> list[st
     return [sys.executable, "-m", "manager", "--config-json", config_json, *(extra or [])]
 
 
-def package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
-
-
 def child_env() -> dict[str, str]:
     """The manager's environment: ours, our packages importable, and a fresh
     instance tag (in the real environment, so /proc/<pid>/environ shows it)."""
     import secrets
 
-    from servectl.proc import INSTANCE_ENV
+    from servectl.proc import INSTANCE_ENV, with_package_path
 
-    env = dict(os.environ)
-    env[INSTANCE_ENV] = secrets.token_hex(8)
-    root = package_root()
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return with_package_path({**os.environ, INSTANCE_ENV: secrets.token_hex(8)})
 
 
 def spawn_manager(config_json: str, log_path: Path, extra: list[str] | None = None, detach: bool = True,

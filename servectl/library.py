@@ -26,7 +26,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from manager import protocol as P
+from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
 from servectl.paths import resolve_runtime_dir

@@ -65,6 +65,17 @@ class RuntimePaths:
         return f"ipc://{path}"
 
 
+def bind_private(sock, path: Path) -> None:
+    """Bind a ZeroMQ socket to ``ipc://path``, the socket file created mode 0600."""
+    old = os.umask(0o177)
+    try:
+        if path.exists():
+            path.unlink()
+        sock.bind(RuntimePaths.ipc(path))
+    finally:
+        os.umask(old)
+
+
 def ensure_private_dir(path: Path, mode: int = 0o700) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, mode)

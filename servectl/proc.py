@@ -56,22 +56,55 @@ def setup_child_logging(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+def package_root() -> str:
+    """The directory our packages are imported from (children get it on PYTHONPATH)."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def with_package_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with our packages importable first, whatever the child's working directory."""
+    root = package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# ---- /proc ---------------------------------------------------------------------------
+# The fields of /proc/<pid>/stat after the command name (which may hold spaces
+# and parentheses): [0] state, [1] ppid, ... (proc(5), counted from field 3).
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def ppid_of(pid: int | None) -> int | None:
+    fields = stat_fields(pid) if pid is not None else None
+    return int(fields[1]) if fields else None
+
+
+def is_zombie(pid: int | str) -> bool:
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] == "Z"
+
+
+def environ_of(pid: int | str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def carries_instance(pid: int | str, instance: str) -> bool:
+    return f"{INSTANCE_ENV}={instance}".encode() in environ_of(pid)
+
+
+def all_pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
 def processes_of_instance(instance: str) -> list[int]:
     """Pids of every live process whose environment carries this instance tag."""
-    needle = f"{INSTANCE_ENV}={instance}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # A zombie has already released everything; it is not a live process.
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if state == "Z":
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    # A zombie has already released everything; it is not a live process.
+    return [pid for pid in all_pids() if carries_instance(pid, instance) and not is_zombie(pid)]

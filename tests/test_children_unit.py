@@ -83,7 +83,7 @@ def test_describe_exit():
 
 
 def test_fd_references_are_resolved_only_where_a_whole_argument_names_them():
-    from engine_core.protocol import resolve_fd_args
+    from servectl.wire.spawn import resolve_fd_args
 
     argv = ["--spec", '{"env": {"X": "@fd0"}}', "--key-fd", "@fd0", "--worker-pidfds", "@fd1,@fd2",
             "--none", "", "--text", "@fdx"]

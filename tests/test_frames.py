@@ -10,9 +10,9 @@ import msgspec
 import zmq
 
 from conftest import ROOT, wait_for
-from engine_core import protocol as EP
+from servectl.wire import engine as EP
 from engine_core.signing import Signer
-from manager import protocol as MP
+from servectl.wire import control as MP
 
 GARBAGE = [b"\x00\xff garbage", msgspec.msgpack.encode({"type": "generate", "request_id": 5})]
 

@@ -215,7 +215,7 @@ def engine_unfinished(d: Daemon, model: str) -> int:
     """Ask the engine itself (its gateway socket) how many requests it runs."""
     import zmq
 
-    from engine_core import protocol as EP
+    from servectl.wire import engine as EP
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -343,7 +343,7 @@ def test_engine_freeze_is_not_a_hang(sup):
 def test_events_stream_reports_state_changes(sup):
     import zmq
 
-    from manager import protocol as MP
+    from servectl.wire import control as MP
 
     from zmq.utils.monitor import recv_monitor_message
 

@@ -1,4 +1,4 @@
-"""Messages between gateways (DEALER) and an engine (ROUTER), and the worker hop.
+"""Messages between gateways (DEALER) and an engine (ROUTER).
 
 Gateway ⇄ engine: msgspec msgpack, one tagged union per direction. An engine
 step's output for one gateway is one ``StepOutput`` carrying every request's
@@ -6,52 +6,16 @@ delta. The hello carries the protocol version, so a mismatched pair fails
 loudly at connect, and the engine's incarnation id, so a gateway never mixes
 the frames of two engine lifetimes.
 
-Engine ⇄ worker: pickled vLLM objects, every frame signed (see signing.py).
-
-Manager → standby: one ``Role`` (JSON) on a SOCK_SEQPACKET socketpair, with
-the role's file descriptors attached (SCM_RIGHTS); see standby.py.
+(The engine ⇄ worker hop carries signed pickles: engine_core/signing.py.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
-from servectl.config import ModelConfig
-
 PROTOCOL_VERSION = 1
-
-
-class EngineSpec(msgspec.Struct, kw_only=True):
-    """Everything the manager tells an engine at exec (JSON on its argv)."""
-
-    model: ModelConfig
-    runtime_dir: str
-    incarnation: str
-    freeze_grace_s: float
-    worker_reply_timeout_s: float
-
-
-class Role(msgspec.Struct, kw_only=True):
-    """What a warm standby becomes: ``python -m <module> <argv>``, minus the exec.
-
-    An argument ``@fd<N>`` (alone or comma-separated) names the N-th
-    descriptor sent with the role; each side puts its own numbers in.
-    """
-
-    module: Literal["engine_core", "engine_core.worker"]
-    argv: list[str]
-
-
-def resolve_fd_args(argv: list[str], fds: list[int]) -> list[str]:
-    """Replace each argument made only of ``@fd<N>`` items (comma-separated) by their descriptors."""
-
-    def is_ref(item: str) -> bool:
-        return item.startswith("@fd") and item[3:].isdigit()
-
-    return [",".join(str(fds[int(x[3:])]) for x in arg.split(",")) if arg and all(map(is_ref, arg.split(",")))
-            else arg for arg in argv]
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaults=True):

@@ -1,0 +1,127 @@
+"""What the manager hands a child at exec, and the names of the tree's parts.
+
+Names are built and parsed here only: ``engine_core:<model>``,
+``worker:<model>:<rank>``, ``gateway:<index>``, ``standby:<member>`` and
+``model:<name>`` (components in status and events), ``engine:<model>`` and
+``gw-<index>-<pid>`` (socket identities). Model names never contain ``:``
+(``servectl.config.NAME_PATTERN``), so parsing is unambiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from servectl.config import GatewayConfig, ModelConfig
+
+ENGINE, WORKER, GATEWAY, STANDBY, MODEL = "engine_core", "worker", "gateway", "standby", "model"
+
+
+class EngineSpec(msgspec.Struct, kw_only=True):
+    """Everything the manager tells an engine at exec (JSON on its argv)."""
+
+    model: ModelConfig
+    runtime_dir: str
+    incarnation: str
+    freeze_grace_s: float
+    worker_reply_timeout_s: float
+
+
+class GatewaySpec(msgspec.Struct, kw_only=True):
+    """Everything the manager tells a gateway at exec (JSON on its argv)."""
+
+    index: int
+    runtime_dir: str
+    instance: str
+    gateway: GatewayConfig
+    models: list[str]
+    drain_timeout_s: float = 30.0
+
+
+class Role(msgspec.Struct, kw_only=True):
+    """What a warm standby becomes: ``python -m <module> <argv>``, minus the exec.
+
+    An argument ``@fd<N>`` (alone or comma-separated) names the N-th
+    descriptor sent with the role; each side puts its own numbers in.
+    """
+
+    module: Literal["engine_core", "engine_core.worker"]
+    argv: list[str]
+
+
+def fd_ref(n: int) -> str:
+    """The argv placeholder for the n-th descriptor passed with a role or at exec."""
+    return f"@fd{n}"
+
+
+def resolve_fd_args(argv: list[str], fds: list[int]) -> list[str]:
+    """Replace each argument made only of ``@fd<N>`` items (comma-separated) by their descriptors."""
+
+    def is_ref(item: str) -> bool:
+        return item.startswith("@fd") and item[3:].isdigit()
+
+    return [",".join(str(fds[int(x[3:])]) for x in arg.split(",")) if arg and all(map(is_ref, arg.split(",")))
+            else arg for arg in argv]
+
+
+# ---- names -------------------------------------------------------------------------
+
+def engine_component(model: str) -> str:
+    return f"{ENGINE}:{model}"
+
+
+def worker_component(model: str, rank: int) -> str:
+    return f"{WORKER}:{model}:{rank}"
+
+
+def gateway_component(index: int) -> str:
+    return f"{GATEWAY}:{index}"
+
+
+def standby_component(member: str) -> str:
+    return f"{STANDBY}:{member}"
+
+
+def model_component(model: str) -> str:
+    return f"{MODEL}:{model}"
+
+
+def engine_identity(model: str) -> bytes:
+    """The engine's identity on the manager's control socket."""
+    return f"engine:{model}".encode()
+
+
+def gateway_identity(index: int, pid: int) -> str:
+    """A gateway's identity on engines' and the manager's sockets: unique per process."""
+    return f"gw-{index}-{pid}"
+
+
+def log_file_name(component: str) -> str:
+    """``worker:a:0`` → ``worker-a-0.log``."""
+    return component.replace(":", "-") + ".log"
+
+
+@dataclass(frozen=True)
+class ComponentName:
+    kind: str
+    model: str | None = None
+    index: int | None = None  # a worker's rank, a gateway's index
+    member: str | None = None  # a standby's member component
+
+
+def parse_component(name: str) -> ComponentName | None:
+    """The parts of a component name, or None if it is not one of ours."""
+    kind, _, rest = name.partition(":")
+    if kind == STANDBY:
+        member = parse_component(rest)
+        return ComponentName(STANDBY, member.model, member.index, rest) if member else None
+    if kind in (ENGINE, MODEL) and rest:
+        return ComponentName(kind, rest)
+    if kind == WORKER:
+        model, _, rank = rest.rpartition(":")
+        return ComponentName(WORKER, model, int(rank)) if model and rank.isdigit() else None
+    if kind == GATEWAY and rest.isdigit():
+        return ComponentName(GATEWAY, None, int(rest))
+    return None
