@@ -64,13 +64,17 @@ class EngineServer:
         self.max_model_len = engine.model_config.max_model_len
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
-        self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freeze_grace_s > 0 else None
+        self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freezing and spec.freeze_grace_s > 0 else None
         self.owner: dict[str, bytes] = {}  # request id -> gateway identity
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)
         self.prompt_sent: set[str] = set()
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
+        self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._add, P.Abort: self._on_abort,
+                           P.Stats: self._on_stats}
+        self.on_control = {MP.AbortPeer: self._on_abort_peer, MP.Drain: self._on_drain,
+                           MP.FreezingControl: self._on_freezing}
         self.poller = zmq.Poller()
         self.poller.register(frontend, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
@@ -115,18 +119,21 @@ class EngineServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self._reject(peer, str(exc))
                 continue
-            if isinstance(msg, P.Generate):
-                self._add(peer, msg)
-            elif isinstance(msg, P.Abort):
-                self._abort(msg.request_ids)
-            elif isinstance(msg, P.Stats):
-                self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
-                                              unfinished=self.engine.get_num_unfinished_requests(),
-                                              rejected_frames=self.rejected))
-            elif isinstance(msg, P.Hello):
-                self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
-                                              model=self.spec.model.name, max_model_len=self.max_model_len,
-                                              max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected))
+            self.on_gateway[type(msg)](peer, msg)
+
+    # ---- one handler per gateway message ---------------------------------------
+    def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
+        self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
+                                      model=self.spec.model.name, max_model_len=self.max_model_len,
+                                      max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected))
+
+    def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
+        self._abort(msg.request_ids)
+
+    def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
+        self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
+                                      unfinished=self.engine.get_num_unfinished_requests(),
+                                      rejected_frames=self.rejected))
 
     def _check_drained(self) -> None:
         if self.draining and not self.drain_reported and not self.engine.has_unfinished_requests():
@@ -149,22 +156,27 @@ class EngineServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("rejected control frame: %s", exc)
                 continue
-            if isinstance(msg, MP.AbortPeer):
-                ids = list(self.by_peer.pop(msg.peer.encode(), ()))
-                if ids:
-                    log.info("aborting %d request(s) of dead gateway %s", len(ids), msg.peer)
-                    self._abort(ids)
-            elif isinstance(msg, MP.Drain):
-                self.draining = True
-                log.info("draining: %d request(s) unfinished", self.engine.get_num_unfinished_requests())
-                self._check_drained()
-            elif isinstance(msg, MP.FreezingControl):
-                if msg.enabled:
-                    self.freeze_grace_ms = int((self.spec.freeze_grace_s or 2.0) * 1000)
-                else:
-                    self.freeze_grace_ms = None
-                    self.group.thaw()
-                log.info("freezing %s", "enabled" if msg.enabled else "disabled")
+            self.on_control[type(msg)](msg)
+
+    # ---- one handler per manager message ----------------------------------------
+    def _on_abort_peer(self, msg: MP.AbortPeer) -> None:
+        ids = list(self.by_peer.pop(msg.peer.encode(), ()))
+        if ids:
+            log.info("aborting %d request(s) of dead gateway %s", len(ids), msg.peer)
+            self._abort(ids)
+
+    def _on_drain(self, msg: MP.Drain) -> None:
+        self.draining = True
+        log.info("draining: %d request(s) unfinished", self.engine.get_num_unfinished_requests())
+        self._check_drained()
+
+    def _on_freezing(self, msg: MP.FreezingControl) -> None:
+        if msg.enabled:
+            self.freeze_grace_ms = int(msg.grace_s * 1000)
+        else:
+            self.freeze_grace_ms = None
+            self.group.thaw()
+        log.info("freezing %s", "enabled" if msg.enabled else "disabled")
 
     def _send(self, peer: bytes, msg) -> None:
         try:

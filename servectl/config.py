@@ -20,6 +20,10 @@ DEFAULT_MODEL_NAME = "default"
 CONFIG_SEARCH = (Path("servectl.toml"), Path("/etc/servectl/servectl.toml"))
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
+# An idle engine freezes its workers after this long (also what `servectl
+# freeze MODEL on` uses when the config turned freezing off with 0).
+DEFAULT_FREEZE_GRACE_S = 2.0
+
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -51,7 +55,7 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Engine's wait for a worker reply; past it the group is hung.
     worker_reply_timeout_s: PositiveFloat = 120.0
     # An idle engine freezes its workers after this long (0 disables).
-    freeze_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    freeze_grace_s: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_FREEZE_GRACE_S
     # One interpreter per group member that has imported vLLM and waits for a
     # crash restart to hand it the role (costs host memory, no CPU, no GPU).
     warm_standby: bool = True

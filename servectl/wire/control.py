@@ -145,6 +145,7 @@ class AbortPeer(_Msg, tag="abort_peer"):
 
 class FreezingControl(_Msg, tag="freezing_control"):
     enabled: bool
+    grace_s: float = 0.0  # with enabled: freeze after this long idle
 
 
 class Drain(_Msg, tag="drain"):

@@ -25,7 +25,8 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     model: ModelConfig
     runtime_dir: str
     incarnation: str
-    freeze_grace_s: float
+    freezing: bool  # freeze idle workers (`servectl freeze` may change it at run time)
+    freeze_grace_s: float  # after this long idle
     worker_reply_timeout_s: float
 
 
