@@ -6,7 +6,12 @@ import select
 import signal
 import sys
 
+import pytest
+
 from manager.children import Child, RestartPolicy, describe_exit
+
+# The only processes started are the trivial FAKE child below (no manager, no vLLM).
+pytestmark = pytest.mark.unit
 
 FAKE = [sys.executable, "-c", "import sys, time; print('fake child up', flush=True); "
         "sys.exit(int(sys.argv[1])) if sys.argv[1] != 'sleep' else time.sleep(60)"]
@@ -81,11 +86,3 @@ def test_describe_exit():
     assert describe_exit(0, os.CLD_EXITED) == "exit code 0"
     assert describe_exit(9, os.CLD_KILLED) == "signal SIGKILL"
 
-
-def test_fd_references_are_resolved_only_where_a_whole_argument_names_them():
-    from servectl.wire.spawn import resolve_fd_args
-
-    argv = ["--spec", '{"env": {"X": "@fd0"}}', "--key-fd", "@fd0", "--worker-pidfds", "@fd1,@fd2",
-            "--none", "", "--text", "@fdx"]
-    assert resolve_fd_args(argv, [7, 11, 12]) == [
-        "--spec", '{"env": {"X": "@fd0"}}', "--key-fd", "7", "--worker-pidfds", "11,12", "--none", "", "--text", "@fdx"]
