@@ -17,22 +17,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from api_gateway.errors import EngineRequestError, EngineUnavailable
 from servectl.wire import engine as EP
 
 log = logging.getLogger("api_gateway.engines")
-
-
-class EngineUnavailable(Exception):
-    def __init__(self, message: str, retry_after: int | None = 5):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineRequestError(Exception):
-    def __init__(self, message: str, status: int, param: str | None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 @dataclass
@@ -61,6 +49,11 @@ class EngineLink:
         self.admitted = 0  # held or running in the engine, not finished
         self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
+
+    @property
+    def status(self) -> str:
+        """"ready", or why not in the manager's words (what /health and /v1/models report)."""
+        return "ready" if self.ready.is_set() else self.state
 
     # ---- following the manager --------------------------------------------------
     def on_model_state(self, state: str, incarnation: str, reason: str | None) -> None:

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import msgspec
 
-from api_gateway import protocol as H
+from api_gateway import openai_types as H
 
 
 @lru_cache(maxsize=1)

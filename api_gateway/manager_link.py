@@ -1,0 +1,105 @@
+"""The gateway's connection to its manager: the events it follows and the control socket it reports on.
+
+Events (SUB) say which models exist and what state each is in; they drive the
+gateway's ``EngineLink``s, which this module creates and drops as models are
+loaded and unloaded. The control socket (DEALER) carries the gateway's own
+messages to the manager: its readiness, and a model that looks hung.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from api_gateway.engines import EngineLink
+from api_gateway.metrics import Metrics
+from servectl.paths import RuntimePaths
+from servectl.wire import control as MP
+
+log = logging.getLogger("api_gateway.manager_link")
+
+
+class ManagerLink:
+    """Events in, the gateway's reports out; owner of the model name → ``EngineLink`` map."""
+
+    def __init__(self, paths: RuntimePaths, identity: str, ctx: zmq.asyncio.Context, models: list[str],
+                 metrics: Metrics, count_restarts: bool):
+        self.paths = paths
+        self.identity = identity
+        self.ctx = ctx
+        self.metrics = metrics
+        # Every gateway sees every event: one of them (index 0) counts restarts, so the
+        # multiprocess sum of the counter is the number of restarts.
+        self.count_restarts = count_restarts
+        self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
+        self.sub: zmq.asyncio.Socket | None = None
+        self.control: zmq.asyncio.Socket | None = None
+
+    def _new_link(self, model: str) -> EngineLink:
+        return EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode())
+
+    def connect(self) -> None:
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(RuntimePaths.ipc(self.paths.events))
+        self.control = self.ctx.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 1000)
+        self.control.setsockopt(zmq.IDENTITY, self.identity.encode())
+        self.control.connect(RuntimePaths.ipc(self.paths.control))
+
+    async def follow(self) -> None:
+        """Apply the manager's events (and one snapshot of its state) until cancelled."""
+        sub = self.sub
+        # Subscribed first, then ask for a snapshot: no state change falls between.
+        await self.control.send(MP.encoder.encode(MP.StatusRequest()))
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        while True:
+            for sock, _ in await poller.poll():
+                body = await sock.recv()
+                if sock is sub:
+                    try:
+                        ev = MP.event_decoder.decode(body)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    if ev.kind == "model" and ev.model:
+                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail)
+                    self.metrics.child_state(ev.component, ev.state)
+                    if ev.kind == "model" and ev.state == "exited" and self.count_restarts:
+                        self.metrics.engine_restarts.labels(model=ev.model).inc()
+                else:
+                    try:
+                        reply = MP.control_out_decoder.decode(body)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    if isinstance(reply, MP.StatusReply):
+                        for m in reply.models:
+                            self.on_model_event(m.name, m.state, m.incarnation, m.reason)
+
+    def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None) -> None:
+        """Models come and go at runtime (`servectl load/unload/reload`)."""
+        link = self.links.get(model)
+        if state == "removed":
+            if link is not None:
+                link.remove()
+                del self.links[model]
+            return
+        if link is None:
+            link = self.links[model] = self._new_link(model)
+        link.on_model_state(state, incarnation, reason)
+
+    async def send_ready(self, component: str, pid: int) -> None:
+        await self.control.send(MP.encoder.encode(MP.ChildReady(component=component, pid=pid)))
+
+    def report_hang(self, link: EngineLink) -> None:
+        """Tell the manager a model produced nothing and did not answer Stats: it restarts the group."""
+        try:
+            self.control.send(MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation)),
+                              zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
