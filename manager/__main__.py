@@ -1,3 +1,3 @@
-from manager.daemon import main
+from manager.main import main
 
 raise SystemExit(main())

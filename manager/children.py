@@ -1,10 +1,13 @@
 """One supervised process and its state: the single owner of that state.
 
 States (DESIGN.md): ``starting → ready → (stopping → stopped) | (exited →
-backoff → starting) | failed``. Every transition goes through ``Child.set``,
-which timestamps it and reports it to the listener (the manager publishes it
-on the events socket). Whether to restart is decided by ``RestartPolicy``,
-a pure function of exit times, unit-tested without processes.
+backoff → starting) | failed``, plus ``idle (frozen)`` for a worker its
+engine froze. Every change goes through ``Child.set``, which timestamps it and
+reports it to the listener (the manager publishes it on the events socket).
+The owner of a child (its engine group, the standby pool, the gateway pool)
+decides its state and is told of its exit through ``on_exit``. Whether to
+restart is decided by ``RestartPolicy``, a pure function of exit times,
+unit-tested without processes.
 """
 
 from __future__ import annotations
@@ -18,11 +21,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from manager.logs import LogSink, journal_mode
+from servectl.wire.spawn import STANDBY, standby_component
 
-STATES = ("starting", "ready", "stopping", "stopped", "exited", "backoff", "failed")
+
+
+class ChildState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FROZEN = "idle (frozen)"  # a worker its idle engine has SIGSTOPped
+    STOPPING = "stopping"  # asked to exit: its exit is not a crash
+    STOPPED = "stopped"
+    EXITED = "exited"
+    BACKOFF = "backoff"
+    FAILED = "failed"
 
 
 @dataclass
@@ -64,13 +79,14 @@ class Child:
     """A process the manager execs, watches through a pidfd and may restart."""
 
     def __init__(self, component: str, kind: str, model: str | None, log_path: Path,
-                 on_change: Callable[["Child", str], None]):
+                 on_change: Callable[["Child", str], None], on_exit: Callable[["Child"], None] = lambda c: None):
         self.component = component
         self.kind = kind
         self.model = model
         self.log_path = log_path
         self.on_change = on_change
-        self.state = "stopped"
+        self.on_exit = on_exit  # its owner's verdict on an exit (restart, fail, forget)
+        self.state = ChildState.STOPPED
         self.since = time.time()
         self.started_at: float | None = None
         self.popen: subprocess.Popen | None = None
@@ -79,7 +95,6 @@ class Child:
         self.starts = 0
         self.last_exit: str | None = None
         self.exit_ok = False
-        self.expected_exit = False
         self.exited_waiters: list = []
         self.output_fd: int | None = None
         self.stale_output_fd: int | None = None
@@ -93,8 +108,8 @@ class Child:
     def alive(self) -> bool:
         return self.pidfd is not None
 
-    def set(self, state: str, detail: str = "") -> None:
-        assert state in STATES, state
+    def set(self, state: ChildState, detail: str = "") -> None:
+        state = ChildState(state)
         if state == self.state and not detail:
             return
         self.state = state
@@ -134,8 +149,7 @@ class Child:
         if self.starts:
             self.restarts += 1
         self.starts += 1
-        self.expected_exit = False
-        self.set("starting")
+        self.set(ChildState.STARTING)
 
     def reap(self) -> str:
         """Collect the exit status through the pidfd; return it in words."""
@@ -194,8 +208,9 @@ class Standby(Child):
     channel closes.
     """
 
-    def __init__(self, member: Child, log_path: Path, on_change: Callable[["Child", str], None]):
-        super().__init__(f"standby:{member.component}", "standby", member.model, log_path, on_change)
+    def __init__(self, member: Child, log_path: Path, on_change: Callable[["Child", str], None],
+                 on_exit: Callable[["Child"], None]):
+        super().__init__(standby_component(member.component), STANDBY, member.model, log_path, on_change, on_exit)
         self.member = member.component
         self.env: dict[str, str] = {}
         self.channel: socket.socket | None = None
@@ -226,5 +241,5 @@ class Standby(Child):
 
     def release(self) -> None:
         """No role for it after all (the manager has hung up its channel): it exits."""
-        self.expected_exit = True
+        self.set(ChildState.STOPPING)
         self.signal(signal.SIGTERM)  # a waiting standby reads EOF anyway; one still importing needs this

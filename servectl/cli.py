@@ -262,8 +262,10 @@ def ack_or_exit(runtime_dir, msg, timeout: float = 10) -> None:
 @main.command()
 @runtime_option
 def reload(runtime_dir):
-    """Re-read the config file and apply only the difference (also: SIGHUP to the manager)."""
-    ack_or_exit(runtime_dir, P.ReloadRequest())
+    """Re-read the config file and apply only the difference (also: SIGHUP to the manager).
+
+    Returns once the reload is applied (models drained, stopped, started)."""
+    ack_or_exit(runtime_dir, P.ReloadRequest(), timeout=900)
 
 
 @main.command()

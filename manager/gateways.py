@@ -1,0 +1,161 @@
+"""The gateway processes: started with the shared listening socket, restarted on crashes.
+
+The manager binds the listening socket once and passes it to every gateway
+(gunicorn's model): a gateway that dies leaves the accept queue intact for
+its siblings. A gateway's state is its child's state; ``stopping`` means the
+exit was asked for (a stop, a reload that replaces it), so it is not a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from manager.children import Child, ChildState, RestartPolicy
+from servectl import config as C
+from servectl.wire import control as P
+from servectl.wire.spawn import GATEWAY, GatewaySpec, gateway_component, gateway_identity, log_file_name
+
+log = logging.getLogger("manager")
+
+
+class GatewayHost(Protocol):
+    settings: C.ManagerConfig
+    gateway_cfg: C.GatewayConfig
+    runtime_dir: Path
+    instance: str
+    log_dir: Path
+    metrics_dir: Path
+    shutting_down: bool
+
+    def served_models(self) -> list[str]: ...
+    def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
+    def watch(self, child: Child) -> None: ...
+    def on_child_change(self, child: Child, detail: str) -> None: ...
+    def abort_peer_everywhere(self, peer: str) -> None: ...
+    async def wait_exit(self, children: list[Child], grace_s: float) -> None: ...
+
+
+class GatewayProcess:
+    def __init__(self, index: int, pool: "GatewayPool"):
+        host = pool.host
+        m = host.settings
+        component = gateway_component(index)
+        self.index = index
+        self.pool = pool
+        self.child = Child(component, GATEWAY, None, host.log_dir / log_file_name(component), host.on_child_change,
+                           lambda child: pool.on_exit(self))
+        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s)
+        self.restart_timer: asyncio.TimerHandle | None = None
+        self.peer = ""  # its identity on engines' sockets, for AbortPeer when it dies
+        self.ready_waiters: list[asyncio.Future] = []
+
+
+class GatewayPool:
+    def __init__(self, host: GatewayHost):
+        self.host = host
+        self.listen_sock: socket.socket | None = None
+        self.port = host.gateway_cfg.port
+        self.members = [GatewayProcess(i, self) for i in range(host.gateway_cfg.processes)]
+
+    def children(self) -> list[Child]:
+        return [gw.child for gw in self.members]
+
+    def pids(self) -> set[int]:
+        return {gw.child.popen.pid for gw in self.members if gw.child.popen}
+
+    def settled(self) -> bool:
+        return all(gw.child.state in (ChildState.READY, ChildState.FAILED) for gw in self.members)
+
+    def bind(self, gateway: C.GatewayConfig) -> None:
+        self.listen_sock = socket.create_server((gateway.host, gateway.port), backlog=1024)
+        self.listen_sock.set_inheritable(True)
+        self.port = self.listen_sock.getsockname()[1]
+
+    def start_all(self) -> None:
+        for gw in self.members:
+            self.start(gw)
+
+    def start(self, gw: GatewayProcess) -> None:
+        host = self.host
+        gw.restart_timer = None
+        spec = msgspec.json.encode(GatewaySpec(
+            index=gw.index, runtime_dir=str(host.runtime_dir), instance=host.instance, gateway=host.gateway_cfg,
+            models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s)).decode()
+        fd = self.listen_sock.fileno()
+        env = host.child_env({"PROMETHEUS_MULTIPROC_DIR": str(host.metrics_dir)})
+        gw.child.spawn([sys.executable, "-m", "api_gateway", "--spec", spec, "--listen-fd", str(fd)], env, (fd,))
+        gw.peer = gateway_identity(gw.index, gw.child.pid)
+        host.watch(gw.child)
+
+    def on_ready(self, msg: P.ChildReady, index: int) -> None:
+        if index >= len(self.members) or self.members[index].child.pid != msg.pid:
+            return
+        gw = self.members[index]
+        gw.child.set(ChildState.READY)
+        waiters, gw.ready_waiters = gw.ready_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(True)
+
+    def on_exit(self, gw: GatewayProcess) -> None:
+        # Its in-flight requests would otherwise run on in the engines.
+        self.host.abort_peer_everywhere(gw.peer)
+        if self.host.shutting_down or gw.child.state is ChildState.STOPPING:
+            gw.child.set(ChildState.STOPPED, gw.child.last_exit or "")
+            return
+        gw.child.set(ChildState.EXITED, gw.child.last_exit or "")
+        delay = gw.policy.record_exit(time.monotonic())
+        if delay is None:
+            gw.child.set(ChildState.FAILED, f"{gw.child.last_exit}; crash loop")
+            return
+        gw.child.set(ChildState.BACKOFF)
+        gw.restart_timer = asyncio.get_running_loop().call_later(delay, self.start, gw)
+
+    async def stop(self, gw: GatewayProcess, grace_s: float) -> None:
+        """SIGTERM (the gateway drains, then exits); SIGKILL past the grace."""
+        if gw.restart_timer:
+            gw.restart_timer.cancel()
+            gw.restart_timer = None
+        if gw.child.alive:
+            gw.child.set(ChildState.STOPPING)
+            gw.child.signal(signal.SIGTERM)
+            await self.host.wait_exit([gw.child], grace_s)
+
+    async def stop_all(self, grace_s: float) -> None:
+        await asyncio.gather(*(self.stop(gw, grace_s) for gw in self.members))
+        # No gateway accepts any more: close the socket so clients are refused, not queued.
+        if self.listen_sock is not None:
+            self.listen_sock.close()
+
+    async def replace(self, gateway: C.GatewayConfig) -> None:
+        """Restart the gateways one by one with a new [gateway] section (the others keep serving)."""
+        host = self.host
+        grace = host.settings.drain_timeout_s + host.settings.stop_grace_s
+        old_sock = None
+        if (gateway.host, gateway.port) != (host.gateway_cfg.host, host.gateway_cfg.port):
+            old_sock = self.listen_sock
+            self.bind(gateway)
+        host.gateway_cfg = gateway
+        for gw in list(self.members):
+            await self.stop(gw, grace)
+            ready = asyncio.get_running_loop().create_future()
+            gw.ready_waiters.append(ready)
+            self.start(gw)
+            await asyncio.wait([ready], timeout=120)
+        for i in range(len(self.members), gateway.processes):
+            gw = GatewayProcess(i, self)
+            self.members.append(gw)
+            self.start(gw)
+        while len(self.members) > gateway.processes:
+            await self.stop(self.members.pop(), grace)
+        if old_sock is not None:
+            old_sock.close()

@@ -1,0 +1,294 @@
+"""One engine group: an engine_core and its workers, started, stopped and restarted as a unit.
+
+The group is the single owner of its state (``GroupState``), which is also the
+model's state in status and events. Every change goes through ``_enter``,
+which checks the transition table and publishes; ``_swap(expected, new)``
+changes state only from the states it expects (llama-swap's swapState), so a
+late event never drags a group backwards.
+
+The group talks to its supervisor through a narrow interface (``GroupHost``):
+settings, where logs go, the child environment, watching a child, publishing,
+sending to its engine, waiting for exits, and the standby pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from manager.children import Child, ChildState, RestartPolicy
+from manager.standbys import StandbyPool
+from servectl import config as C
+from servectl.wire import control as P
+from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
+                                 resolve_fd_args, worker_component)
+
+log = logging.getLogger("manager")
+
+# What every engine and worker gets: no hub lookups for local paths, no usage
+# reporting thread, vLLM's engine in-process (we are its multiprocessing).
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class GroupState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # no new requests; in-flight ones finish (then stopping)
+    STOPPING = "stopping"  # asked to exit: member exits are not crashes
+    EXITED = "exited"  # a member died; the others are being killed
+    BACKOFF = "backoff"  # all gone; a restart is scheduled
+    FAILED = "failed"  # crash loop: stays until an operator's restart
+
+
+S = GroupState
+TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    S.STOPPED: frozenset({S.STARTING}),
+    S.STARTING: frozenset({S.READY, S.EXITED, S.STOPPING}),
+    S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED}),
+    S.DRAINING: frozenset({S.STOPPING, S.EXITED}),
+    S.STOPPING: frozenset({S.STOPPED}),
+    S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
+    S.FAILED: frozenset({S.STARTING, S.STOPPING}),
+}
+# What the members' own states become when the group enters a state (None: leave them).
+MEMBER_STATE: dict[GroupState, ChildState | None] = {
+    S.STOPPED: ChildState.STOPPED, S.STARTING: ChildState.STARTING, S.READY: ChildState.READY,
+    S.DRAINING: None, S.STOPPING: ChildState.STOPPING, S.EXITED: None, S.BACKOFF: ChildState.BACKOFF,
+    S.FAILED: ChildState.FAILED,
+}
+
+
+class BadTransition(RuntimeError):
+    pass
+
+
+class GroupHost(Protocol):
+    """What an engine group needs from its supervisor (the Manager)."""
+
+    settings: C.ManagerConfig
+    runtime_dir: Path
+    log_dir: Path
+    standbys: StandbyPool
+
+    def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
+    def watch(self, child: Child) -> None: ...
+    def on_child_change(self, child: Child, detail: str) -> None: ...
+    def on_group_change(self, group: "EngineGroup") -> None: ...
+    def send_to_engine(self, group: "EngineGroup", msg: P.ToEngine) -> None: ...
+    async def wait_exit(self, children: list[Child], grace_s: float) -> None: ...
+
+
+class EngineGroup:
+    def __init__(self, cfg: C.ModelConfig, host: GroupHost):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.host = host
+        m = host.settings
+        self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, cfg.crash_loop_count or m.crash_loop_count,
+                                    m.crash_loop_window_s)
+        self.engine = self._member(engine_component(cfg.name), ENGINE)
+        self.workers = [self._member(worker_component(cfg.name, r), WORKER) for r in range(cfg.tensor_parallel_size)]
+        self.state = GroupState.STOPPED
+        self.reason: str | None = None
+        self.incarnation = ""
+        self.frozen = False  # as the engine last reported (GroupFrozen)
+        self.freezing = m.freeze_grace_s > 0
+        self.restart_timer: asyncio.TimerHandle | None = None
+        self.drained: asyncio.Future | None = None
+
+    def _member(self, component: str, kind: str) -> Child:
+        return Child(component, kind, self.cfg.name, self.host.log_dir / log_file_name(component),
+                     self.host.on_child_change, self.on_member_exit)
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.engine, *self.workers]
+
+    # ---- the one setter ------------------------------------------------------------
+    def _enter(self, new: GroupState, reason: str | None = None) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise BadTransition(f"model {self.name}: {self.state} → {new}")
+        self.state = new
+        if reason is not None or new in (S.READY, S.STARTING):
+            self.reason = reason
+        if new is not S.READY:
+            self.frozen = False  # only a serving engine has frozen workers
+        member_state = MEMBER_STATE[new]
+        if member_state is not None:
+            for child in self.children:
+                if child.alive or new in (S.FAILED, S.STOPPED, S.BACKOFF):
+                    child.set(member_state, reason or "")
+        self.host.on_group_change(self)
+
+    def _swap(self, expected: set[GroupState] | frozenset[GroupState], new: GroupState,
+              reason: str | None = None) -> bool:
+        """Enter ``new`` only from an expected state; False (and nothing changes) otherwise."""
+        if self.state not in expected:
+            log.debug("model %s: not %s → %s (is %s)", self.name, "/".join(expected), new, self.state)
+            return False
+        self._enter(new, reason)
+        return True
+
+    # ---- starting -------------------------------------------------------------------
+    def member_envs(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The engine's and the workers' environments (their standbys get the same)."""
+        base = self.host.child_env(ENGINE_ENV | self.cfg.env)
+        if self.cfg.devices is not None:
+            base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
+        worker_env = dict(base)
+        # Share the cores between the ranks unless the operator said otherwise.
+        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.tensor_parallel_size)))
+        engine_env = dict(base)
+        engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
+        return engine_env, worker_env
+
+    def start(self) -> None:
+        """Workers first (the engine gets their pidfds), each with the group key on a pipe."""
+        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED}, S.STARTING):
+            return
+        self.restart_timer = None
+        self.incarnation = secrets.token_hex(6)
+        key = secrets.token_bytes(32)
+        root = str(self.host.runtime_dir)
+        engine_env, worker_env = self.member_envs()
+        for rank, worker in enumerate(self.workers):
+            self._launch(worker, "engine_core.worker",
+                         ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
+                         [], key, worker_env)
+        m = self.host.settings
+        spec = msgspec.json.encode(EngineSpec(
+            model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
+            freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
+            worker_reply_timeout_s=m.worker_reply_timeout_s)).decode()
+        pidfds = [w.pidfd for w in self.workers]
+        self._launch(self.engine, "engine_core",
+                     ["--spec", spec, "--key-fd", fd_ref(0),
+                      "--worker-pidfds", ",".join(fd_ref(i + 1) for i in range(len(pidfds)))],
+                     pidfds, key, engine_env)
+
+    def _launch(self, member: Child, module: str, args: list[str], extra_fds: list[int], key: bytes,
+                env: dict[str, str]) -> None:
+        """Hand the role to the member's warm standby if one fits, else exec it cold."""
+        fd = key_pipe(key)
+        fds = [fd, *extra_fds]
+        try:
+            standby = self.host.standbys.take(member.component, env)
+            if standby is not None and self.host.standbys.hand_over(standby, member, Role(module=module, argv=args),
+                                                                     fds):
+                return
+            member.spawn([sys.executable, "-m", module, *resolve_fd_args(args, fds)], env, tuple(fds))
+            self.host.watch(member)
+        finally:
+            os.close(fd)
+
+    def on_ready(self, incarnation: str) -> None:
+        if incarnation == self.incarnation and self._swap({S.STARTING}, S.READY):
+            self.host.standbys.refill(self)
+
+    def on_frozen(self, frozen: bool) -> None:
+        """The engine froze (or thawed) its workers between steps."""
+        if self.state is not S.READY or not self.engine.alive:
+            return
+        self.frozen = frozen
+        for worker in self.workers:
+            if worker.alive:
+                worker.set(ChildState.FROZEN if frozen else ChildState.READY)
+        self.host.on_group_change(self)
+
+    # ---- exits ------------------------------------------------------------------------
+    def on_member_exit(self, child: Child) -> None:
+        if self.state in (S.STOPPING, S.STOPPED):
+            return  # asked for
+        if self._swap({S.STARTING, S.READY, S.DRAINING}, S.EXITED, f"{child.component} {child.last_exit}"):
+            child.set(ChildState.EXITED, child.last_exit or "")
+            if self.drained is not None and not self.drained.done():
+                self.drained.set_result(False)  # nothing is left to drain
+            for other in self.children:
+                other.signal(signal.SIGCONT)  # a frozen member must not keep its SIGKILL pending
+                other.signal(signal.SIGKILL)
+        if any(c.alive for c in self.children) or self.state is not S.EXITED:
+            return  # wait until every member is gone, then decide
+        delay = self.policy.record_exit(time.monotonic())
+        if delay is None:
+            self.host.standbys.release_model(self.name)
+            self._enter(S.FAILED, f"{self.reason}; {self.policy.crash_loop_count} exits within "
+                                  f"{self.policy.window_s:g}s")
+            log.error("model %s failed: %s", self.name, self.reason)
+            return
+        log.warning("model %s: %s; restarting in %.1fs", self.name, self.reason, delay)
+        self._enter(S.BACKOFF, self.reason)
+        self.restart_timer = asyncio.get_running_loop().call_later(delay, self.start)
+
+    def kill_hung(self, incarnation: str) -> bool:
+        """A gateway saw the group hung: kill the engine (thawed first); the exit restarts the group."""
+        if incarnation != self.incarnation or self.state is not S.READY:
+            return False
+        for c in self.children:
+            c.signal(signal.SIGCONT)
+        self.engine.signal(signal.SIGKILL)
+        return True
+
+    # ---- stopping ---------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> None:
+        """Let the engine finish what it has (no new requests), up to timeout_s."""
+        if self.state is not S.READY or not self.engine.alive:
+            return
+        self.drained = asyncio.get_running_loop().create_future()
+        self._enter(S.DRAINING)  # gateways stop sending new requests
+        self.host.send_to_engine(self, P.Drain())
+        await asyncio.wait([self.drained], timeout=timeout_s)
+
+    def on_drained(self, incarnation: str) -> None:
+        if incarnation == self.incarnation and self.drained is not None and not self.drained.done():
+            self.drained.set_result(True)
+
+    async def stop(self, grace_s: float, keep_standbys: bool = False) -> None:
+        if self.state is S.STOPPED:
+            return
+        if self.restart_timer:
+            self.restart_timer.cancel()
+            self.restart_timer = None
+        leaving = [] if keep_standbys else self.host.standbys.release_model(self.name)
+        alive = [c for c in self.children if c.alive]
+        self._enter(S.STOPPING)
+        # Thaw first: a SIGTERM stays pending on a stopped process.
+        for c in alive:
+            c.signal(signal.SIGCONT)
+            c.signal(signal.SIGTERM)
+        if alive or leaving:
+            await self.host.wait_exit(alive + leaving, grace_s)
+        self._enter(S.STOPPED)
+
+    async def restart(self, drain_timeout_s: float, grace_s: float) -> None:
+        await self.drain(drain_timeout_s)
+        await self.stop(grace_s, keep_standbys=True)  # same configuration: the standbys fit
+        self.policy.reset()
+        self.start()
+
+
+def key_pipe(key: bytes) -> int:
+    """A pipe holding the group key; returns the read end (to pass to a child)."""
+    r, w = os.pipe()
+    os.write(w, key)
+    os.close(w)
+    return r

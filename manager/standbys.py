@@ -1,0 +1,164 @@
+"""The warm standby pool: the sole owner of every standby interpreter.
+
+Once a group serves, each member gets one ``python -m engine_core.standby``
+exec'd with that member's exact environment; it imports vLLM, says ``W`` on a
+SOCK_SEQPACKET channel and sleeps. A restart ``take``s the member's standby
+and ``hand_over``s the role (descriptors attached); the member ``adopt``s the
+process. A standby made for another environment, or of a model being
+unloaded, is released. One that dies is replaced after the restart policy's
+backoff, never while its group is starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+
+from manager.children import Child, ChildState, RestartPolicy, Standby
+from servectl import config as C
+from servectl.wire.spawn import Role, log_file_name, standby_component
+
+if TYPE_CHECKING:
+    from manager.group import EngineGroup
+
+log = logging.getLogger("manager")
+
+
+class PoolHost(Protocol):
+    settings: C.ManagerConfig
+    log_dir: Path
+    shutting_down: bool
+
+    def watch(self, child: Child) -> None: ...
+    def unwatch(self, child: Child) -> None: ...
+    def on_child_change(self, child: Child, detail: str) -> None: ...
+    def group(self, model: str) -> "EngineGroup | None": ...
+
+
+class StandbyPool:
+    def __init__(self, host: PoolHost):
+        self.host = host
+        self.waiting: dict[str, Standby] = {}  # member component -> its standby
+        self.released: set[Standby] = set()  # told to go, not yet reaped
+        self.timers: dict[str, asyncio.TimerHandle] = {}  # model -> pending refill
+        self.policies: dict[str, RestartPolicy] = {}  # model -> standby deaths
+
+    # ---- queries -----------------------------------------------------------------
+    def of_model(self, model: str) -> list[Standby]:
+        return [s for s in self.waiting.values() if s.model == model]
+
+    def pids(self) -> set[int]:
+        return {s.popen.pid for s in [*self.waiting.values(), *self.released] if s.popen}
+
+    # ---- filling ------------------------------------------------------------------
+    def refill(self, group: "EngineGroup") -> None:
+        """One standby per member, exec'd once the group serves (never competing with its start)."""
+        timer = self.timers.pop(group.name, None)
+        if timer:
+            timer.cancel()  # called early (the group became ready): this call does its work
+        if not self.host.settings.warm_standby or group.state != "ready" or self.host.shutting_down:
+            return
+        engine_env, worker_env = group.member_envs()
+        for member in group.children:
+            if member.component in self.waiting:
+                continue
+            component = standby_component(member.component)
+            standby = Standby(member, self.host.log_dir / log_file_name(component), self.host.on_child_change,
+                              self.on_exit)
+            standby.spawn_standby(engine_env if member is group.engine else worker_env)
+            self.waiting[member.component] = standby
+            self.host.watch(standby)
+            asyncio.get_running_loop().add_reader(standby.channel.fileno(), self._on_says, standby)
+
+    def _on_says(self, standby: Standby) -> None:
+        try:
+            said = standby.channel.recv(16)
+        except BlockingIOError:
+            return
+        except OSError:
+            said = b""
+        if said == b"W":
+            standby.set(ChildState.READY)
+        else:  # it is going; its pidfd tells the rest
+            self._hang_up(standby)
+
+    def _hang_up(self, standby: Standby) -> None:
+        """Stop listening to a standby's channel and close our end (it reads EOF if it still waits)."""
+        channel, standby.channel = standby.channel, None
+        if channel is not None:
+            asyncio.get_running_loop().remove_reader(channel.fileno())
+            channel.close()
+
+    # ---- using ----------------------------------------------------------------------
+    def take(self, member: str, env: dict[str, str]) -> Standby | None:
+        """The member's standby if it was made for exactly this environment; else none (and it goes)."""
+        standby = self.waiting.pop(member, None)
+        if standby is None:
+            return None
+        if standby.env != env or not standby.alive:
+            self._release(standby)  # made for another configuration, or gone
+            return None
+        return standby
+
+    def hand_over(self, standby: Standby, member: Child, role: Role, fds: list[int]) -> bool:
+        """Make a taken standby the member: send it the role, then watch it as the member."""
+        sent = standby.alive and standby.send_role(msgspec.json.encode(role), fds)
+        self._hang_up(standby)
+        if not sent:
+            self._release(standby)
+            return False
+        self.host.unwatch(standby)
+        standby.read_output()  # what it said while warming stays in its own log
+        standby.sink.close()
+        member.adopt(standby)
+        self.host.watch(member)
+        log.info("%s: handed to its warm standby (pid %d)", member.component, member.pid)
+        return True
+
+    # ---- letting go ---------------------------------------------------------------------
+    def release_model(self, model: str) -> list[Child]:
+        """Release a model's standbys; returns those still alive (to wait for)."""
+        timer = self.timers.pop(model, None)
+        if timer:
+            timer.cancel()
+        leaving = [self.waiting.pop(s.member) for s in self.of_model(model)]
+        for standby in leaving:
+            self._release(standby)
+        return [s for s in leaving if s.alive]
+
+    def _release(self, standby: Standby) -> None:
+        self._hang_up(standby)
+        standby.release()
+        if standby.alive:
+            self.released.add(standby)
+
+    def on_exit(self, standby: Child) -> None:
+        assert isinstance(standby, Standby)
+        self._hang_up(standby)
+        if standby in self.released:
+            self.released.discard(standby)
+            standby.set(ChildState.STOPPED, standby.last_exit or "")
+            return
+        if self.waiting.get(standby.member) is not standby:
+            return
+        del self.waiting[standby.member]
+        standby.set(ChildState.EXITED, standby.last_exit or "")
+        m = self.host.settings
+        policy = self.policies.setdefault(standby.model, RestartPolicy(
+            m.backoff_initial_s, m.backoff_max_s, m.crash_loop_count, m.crash_loop_window_s))
+        delay = policy.record_exit(asyncio.get_running_loop().time())
+        if delay is None:
+            log.error("model %s: standbys keep dying (%s); restarts will be cold", standby.model, standby.last_exit)
+            return
+        log.warning("model %s: %s %s; a new one in %.1fs", standby.model, standby.component, standby.last_exit, delay)
+        group = self.host.group(standby.model)
+        if group is not None and standby.model not in self.timers:
+            self.timers[standby.model] = asyncio.get_running_loop().call_later(delay, self.refill, group)
+
+    def forget_model(self, model: str) -> None:
+        """The model is gone for good (unloaded, or its configuration replaced)."""
+        self.policies.pop(model, None)
