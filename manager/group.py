@@ -223,7 +223,7 @@ class EngineGroup:
             child.set(ChildState.EXITED, child.last_exit or "")
             if self.drained is not None and not self.drained.done():
                 self.drained.set_result(False)  # nothing is left to drain
-            for other in self.children:
+            for other in (c for c in self.children if c.alive):
                 other.signal(signal.SIGCONT)  # a frozen member must not keep its SIGKILL pending
                 other.signal(signal.SIGKILL)
         if any(c.alive for c in self.children) or self.state is not S.EXITED:

@@ -1,0 +1,239 @@
+"""The manager's pure parts, without processes: the group state machine, reload planning."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from manager.children import Child, ChildState
+from manager.group import TRANSITIONS, BadTransition, EngineGroup, GroupState
+from manager.reload import plan_reload
+from servectl import config as C
+
+pytestmark = pytest.mark.unit
+S = GroupState
+
+
+class StandbysDouble:
+    def __init__(self):
+        self.refilled: list[str] = []
+        self.released: list[str] = []
+
+    def refill(self, group) -> None:
+        self.refilled.append(group.name)
+
+    def release_model(self, model: str) -> list:
+        self.released.append(model)
+        return []
+
+    def take(self, member, env):
+        return None
+
+
+class HostDouble:
+    """What EngineGroup sees of its supervisor, recording what it is asked."""
+
+    def __init__(self, tmp: Path, **settings):
+        self.settings = C.ManagerConfig(**settings)
+        self.runtime_dir = tmp
+        self.log_dir = tmp
+        self.standbys = StandbysDouble()
+        self.published: list[str] = []
+        self.child_events: list[tuple[str, str]] = []
+        self.sent: list = []
+
+    def child_env(self, extra):
+        return dict(extra)
+
+    def watch(self, child):
+        pass
+
+    def on_child_change(self, child, detail):
+        self.child_events.append((child.component, str(child.state)))
+
+    def on_group_change(self, group):
+        self.published.append(str(group.state))
+
+    def send_to_engine(self, group, msg):
+        self.sent.append(msg)
+
+    async def wait_exit(self, children, grace_s):
+        pass
+
+
+class Alive:
+    """Marks a Child alive without a process: signals go nowhere."""
+
+    @staticmethod
+    def make(child: Child) -> None:
+        child.pidfd = -1
+        child.signal = lambda sig: None  # type: ignore[method-assign]
+
+    @staticmethod
+    def die(child: Child, how: str = "signal SIGKILL") -> None:
+        child.pidfd = None
+        child.last_exit = how
+
+
+def group_in(tmp_path, state: GroupState, tp: int = 1, **settings) -> tuple[EngineGroup, HostDouble]:
+    host = HostDouble(tmp_path, **settings)
+    group = EngineGroup(C.ModelConfig(name="m", model="/x", tensor_parallel_size=tp), host)
+    for c in group.children:
+        Alive.make(c)
+    group.state = state
+    return group, host
+
+
+def test_transition_table_is_closed_and_every_state_can_be_left():
+    assert set(TRANSITIONS) == set(GroupState)
+    for state, targets in TRANSITIONS.items():
+        assert targets, state
+        assert targets <= set(GroupState)
+    # The one way out of failed, stopped and backoff is a (re)start or a stop.
+    assert TRANSITIONS[S.FAILED] == {S.STARTING, S.STOPPING}
+    assert TRANSITIONS[S.STOPPING] == {S.STOPPED}
+
+
+def test_illegal_transition_raises_and_changes_nothing(tmp_path):
+    group, host = group_in(tmp_path, S.STOPPED)
+    with pytest.raises(BadTransition):
+        group._enter(S.READY)
+    assert group.state is S.STOPPED
+    assert host.published == []
+
+
+def test_swap_only_from_expected_states(tmp_path):
+    group, host = group_in(tmp_path, S.READY)
+    assert group._swap({S.STARTING}, S.READY) is False
+    assert host.published == []
+    assert group._swap({S.READY}, S.DRAINING) is True
+    assert group.state is S.DRAINING
+    assert host.published == ["draining"]
+
+
+def test_ready_only_for_the_current_incarnation(tmp_path):
+    group, host = group_in(tmp_path, S.STARTING)
+    group.incarnation = "new"
+    group.on_ready("old")
+    assert group.state is S.STARTING
+    group.on_ready("new")
+    assert group.state is S.READY
+    assert host.standbys.refilled == ["m"]
+    assert [s for c, s in host.child_events] == ["ready", "ready"]
+
+
+def test_member_exit_kills_the_rest_then_backs_off_once_all_are_gone(tmp_path):
+    async def scenario():
+        group, host = group_in(tmp_path, S.READY, tp=2, backoff_initial_s=5.0)
+        killed = []
+        for c in group.children:
+            c.signal = lambda sig, c=c: killed.append((c.component, sig))
+        worker0, worker1 = group.workers
+        Alive.die(worker0)
+        group.on_member_exit(worker0)
+        assert group.state is S.EXITED
+        assert group.reason == "worker:m:0 signal SIGKILL"
+        assert {c for c, _ in killed} == {"engine_core:m", "worker:m:1"}
+        Alive.die(worker1)
+        group.on_member_exit(worker1)
+        assert group.state is S.EXITED  # the engine is still alive
+        Alive.die(group.engine)
+        group.on_member_exit(group.engine)
+        assert group.state is S.BACKOFF
+        assert group.restart_timer is not None
+        group.restart_timer.cancel()
+        assert host.published == ["exited", "backoff"]
+
+    asyncio.run(scenario())
+
+
+def test_crash_loop_fails_the_group_and_releases_its_standbys(tmp_path):
+    async def scenario():
+        group, host = group_in(tmp_path, S.READY, crash_loop_count=1)
+        Alive.die(group.workers[0])
+        group.on_member_exit(group.workers[0])
+        Alive.die(group.engine)
+        group.on_member_exit(group.engine)
+        assert group.state is S.FAILED
+        assert "1 exits within" in group.reason
+        assert host.standbys.released == ["m"]
+        assert group.restart_timer is None
+
+    asyncio.run(scenario())
+
+
+def test_exits_while_stopping_are_not_crashes(tmp_path):
+    group, host = group_in(tmp_path, S.STOPPING)
+    Alive.die(group.engine)
+    group.on_member_exit(group.engine)
+    assert group.state is S.STOPPING
+    assert host.published == []
+
+
+def test_a_crash_while_draining_ends_the_drain(tmp_path):
+    async def scenario():
+        group, host = group_in(tmp_path, S.READY)
+        drain = asyncio.ensure_future(group.drain(timeout_s=60))
+        await asyncio.sleep(0)  # let drain() send Drain and wait
+        assert group.state is S.DRAINING
+        assert [type(m).__name__ for m in host.sent] == ["Drain"]
+        Alive.die(group.engine)
+        group.on_member_exit(group.engine)
+        await asyncio.wait_for(drain, 1)
+        assert group.drained.result() is False
+        assert group.state is S.EXITED
+
+    asyncio.run(scenario())
+
+
+def test_frozen_workers_are_a_state_of_their_own(tmp_path):
+    group, host = group_in(tmp_path, S.READY)
+    group.on_frozen(True)
+    assert group.frozen is True
+    assert group.workers[0].state is ChildState.FROZEN
+    assert group.engine.state is not ChildState.FROZEN
+    group.on_frozen(False)
+    assert group.workers[0].state is ChildState.READY
+    group.frozen = True
+    group._enter(S.STOPPING)
+    assert group.frozen is False
+
+
+def test_hang_report_of_an_old_incarnation_is_ignored(tmp_path):
+    group, host = group_in(tmp_path, S.READY)
+    group.incarnation = "now"
+    assert group.kill_hung("before") is False
+    assert group.kill_hung("now") is True
+
+
+# ---- reload planning ---------------------------------------------------------------
+
+def model(name: str, **kw) -> C.ModelConfig:
+    return C.ModelConfig(name=name, model=f"/models/{name}", **kw)
+
+
+def test_plan_reload_touches_only_what_differs():
+    served = [model("a"), model("b"), model("c")]
+    new = C.Config(models=[model("a"), model("b", tensor_parallel_size=2), model("d")])
+    plan = plan_reload(served, C.GatewayConfig(), new)
+    assert [m.name for m in plan.added] == ["d"]
+    assert plan.removed == ["c"]
+    assert [(m.name, m.tensor_parallel_size) for m in plan.changed] == [("b", 2)]
+    assert plan.gateway is None
+    assert plan.summary() == "added d; removed c; changed b; gateway unchanged"
+
+
+def test_plan_reload_of_the_same_config_is_empty():
+    served = [model("a", env={"X": "1"})]
+    plan = plan_reload(served, C.GatewayConfig(port=9000), C.Config(gateway=C.GatewayConfig(port=9000),
+                                                                     models=[model("a", env={"X": "1"})]))
+    assert (plan.added, plan.removed, plan.changed, plan.gateway) == ([], [], [], None)
+
+
+def test_plan_reload_replaces_gateways_only_when_their_section_changed():
+    new_gateway = C.GatewayConfig(port=9001, processes=2)
+    plan = plan_reload([model("a")], C.GatewayConfig(port=9000), C.Config(gateway=new_gateway, models=[model("a")]))
+    assert plan.gateway == new_gateway
+    assert plan.summary().endswith("gateway changed")
