@@ -2,31 +2,42 @@
 
 Every daemon gets its own runtime directory and a free port (``--port 0``; the
 manager reports the port it bound), so tests run beside a user's daemon. A
-daemon that a test does not kill is shared (session scope); every daemon's
-teardown checks, through the instance tag in /proc, that nothing is left.
+daemon that a test does not kill is shared (session scope). Daemons come from
+one factory (``daemon_factory``, ``DaemonFactory``), whose teardown stops
+each and checks, through the instance tag and the test's own mark in
+/proc/<pid>/environ, that nothing is left; requests go through ``http()``.
+
+Importing this file loads no vLLM or torch (``pytest -m unit`` runs without
+them); only the daemon fixtures start anything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from email.message import Message
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servectl.client import ControlClient  # noqa: E402
+from servectl.client import ControlClient, NotRunning  # noqa: E402
 from servectl.config import DEFAULT_MODEL_DIR  # noqa: E402
-from servectl.proc import processes_of_instance  # noqa: E402
+from servectl.proc import all_pids, environ_of, is_zombie, processes_of_instance  # noqa: E402
 
 SERVECTL = [sys.executable, "-m", "servectl.cli"]
 SHARED_API_KEY = "sk-servectl-test"
+TEST_MARK_ENV = "SERVECTL_TEST_DAEMON"
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", diagnose=None):
@@ -45,20 +56,73 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
         time.sleep(interval)
 
 
+class Response(NamedTuple):
+    status: int
+    headers: Message  # case-insensitive: headers["retry-after"] == headers["Retry-After"]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+
+DAEMON_KEY = object()  # http(): the daemon's API key, if it has one
+
+
+def http(target: "Daemon | str", method: str, path: str, body: bytes | str | dict | list | None = None,
+         headers: dict[str, str] | None = None, *, key: str | None | object = DAEMON_KEY,
+         timeout: float = 120) -> Response:
+    """One HTTP request to a daemon (or a base URL); every status comes back, none raises.
+
+    A dict or list body is sent as JSON; ``key`` is the bearer token (the
+    daemon's own by default, ``None`` for no Authorization header).
+    """
+    base = target.base_url if isinstance(target, Daemon) else target
+    if key is DAEMON_KEY:
+        key = target.api_key if isinstance(target, Daemon) else None
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode()
+    h = {"Content-Type": "application/json"} if body is not None else {}
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    h.update(headers or {})
+    req = urllib.request.Request(f"{base}{path}", data=body, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Response(resp.status, resp.headers, resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return Response(exc.code, exc.headers, exc.read())
+
+
 class Daemon:
-    """A servectl daemon started through the CLI, as an operator would."""
+    """A servectl daemon started through the CLI, as an operator would.
+
+    Make them with ``daemon_factory`` (or ``DaemonFactory``), which stops them
+    and checks that nothing of their tree is left.
+    """
 
     def __init__(self, tmp: Path, config: str = "", args: list[str] | None = None, env: dict | None = None,
-                 api_key: str = "unused"):
+                 api_key: str | None = None):
         self.api_key = api_key
         self.runtime_dir = tmp / "rt"
         self.config_path = tmp / "servectl.toml"
         self.config_path.write_text(config)
         self.args = args or []
-        self.env = {**os.environ, **(env or {})}
+        # Every process this daemon's CLI starts inherits the mark, so a tree is
+        # found in /proc even before (or without) the manager telling its instance.
+        self.mark = f"{TEST_MARK_ENV}={secrets.token_hex(8)}"
+        self.env = {**os.environ, **(env or {}), TEST_MARK_ENV: self.mark.split("=", 1)[1]}
         self.instance = None
+        self.instances: list[str] = []  # every tree this daemon had (a restart after a kill is a new one)
         self.port = None
         self.manager_pid = None
+        self.start_output: subprocess.CompletedProcess | None = None
 
     def cli(self, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
         proc = subprocess.run([*SERVECTL, *args, "--runtime-dir", str(self.runtime_dir)], capture_output=True,
@@ -68,12 +132,23 @@ class Daemon:
         return proc
 
     def start(self, expect_ok: bool = True) -> subprocess.CompletedProcess:
-        proc = self.cli("start", "--config", str(self.config_path), "--port", "0", *self.args, check=expect_ok)
-        st = self.status()
-        self.instance = st.instance
-        self.port = st.port
-        self.manager_pid = st.manager_pid
+        proc = self.cli("start", "--config", str(self.config_path), "--port", "0", *self.args)
+        self.start_output = proc
+        self.attach()  # whatever the outcome: a manager that answers is ours to stop
+        if expect_ok and proc.returncode != 0:
+            raise AssertionError(f"servectl start failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def attach(self) -> bool:
+        """Learn the running manager's instance, port and pid (False if none answers)."""
+        try:
+            st = self.status()
+        except NotRunning:
+            return False
+        self.instance, self.port, self.manager_pid = st.instance, st.port, st.manager_pid
+        if st.instance not in self.instances:
+            self.instances.append(st.instance)
+        return True
 
     @property
     def base_url(self) -> str:
@@ -88,8 +163,8 @@ class Daemon:
     def openai(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", self.api_key), max_retries=0,
-                             timeout=kw.pop("timeout", 120), **kw)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", self.api_key or "unused"),
+                             max_retries=0, timeout=kw.pop("timeout", 120), **kw)
 
     def standbys(self) -> dict[str, object]:
         """Warm standbys by the member they stand in for (``worker:a:0``)."""
@@ -110,22 +185,134 @@ class Daemon:
         return "\n".join(f"--- {c}\n" + "\n".join(self.log(c).splitlines()[-lines:]) for c in components)
 
     def tree(self) -> list[int]:
+        """The live processes of the current instance."""
         return processes_of_instance(self.instance) if self.instance else []
 
-    def stop(self) -> None:
-        if self.manager_pid is None:
-            return
-        self.cli("stop", timeout=120)
-        wait_for(lambda: not self.tree(), 60, what="every process of the tree to exit")
+    def leftovers(self) -> list[int]:
+        """Every live process of every tree this daemon had, and any carrying its mark."""
+        mark = self.mark.encode()
+        pids = {pid for inst in self.instances for pid in processes_of_instance(inst)}
+        pids.update(pid for pid in all_pids() if pid != os.getpid() and mark in environ_of(pid)
+                    and not is_zombie(pid))
+        return sorted(pids)
 
-    def kill_all(self) -> None:
-        """Last resort in teardown: SIGKILL whatever of the tree is left."""
-        for pid in self.tree():
+    def stop(self) -> None:
+        """``servectl stop``, then wait until nothing of the tree is left."""
+        if self.instances or self.runtime_dir.exists():
+            self.cli("stop", timeout=120)
+        wait_for(lambda: not self.leftovers(), 60, what="every process of the tree to exit",
+                 diagnose=lambda: f"left: {self.leftovers()}")
+
+    def kill_all(self) -> list[int]:
+        """Last resort: SIGKILL (after SIGCONT) whatever of the tree is left, by pid; returns those pids."""
+        left = self.leftovers()
+        for pid in left:
             try:
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return left
+
+
+class DaemonFactory:
+    """Makes ``Daemon``s; ``close()`` stops every one and asserts that nothing of
+    any of their trees is left (what is left is SIGKILLed first, by pid)."""
+
+    def __init__(self, tmp_path_factory, name: str):
+        self.tmp_path_factory = tmp_path_factory
+        self.name = name
+        self.daemons: list[Daemon] = []
+
+    def __call__(self, config: str = "", *, args: list[str] | None = None, env: dict | None = None,
+                 api_key: str | None = None, start: bool = True, expect_ok: bool = True) -> Daemon:
+        d = Daemon(self.tmp_path_factory.mktemp(self.name), config=config, args=args, env=env, api_key=api_key)
+        self.daemons.append(d)
+        if start:
+            d.start(expect_ok=expect_ok)
+        return d
+
+    def close(self) -> None:
+        problems = []
+        for d in self.daemons:
+            try:
+                d.stop()
+            except Exception as exc:  # noqa: BLE001 - still kill and report
+                problems.append(f"{d.runtime_dir}: stop failed: {exc}")
+            killed = d.kill_all()
+            if killed:
+                problems.append(f"{d.runtime_dir}: processes left after stop (SIGKILLed): {killed}")
+        assert not problems, "\n".join(problems)
+
+    def __enter__(self) -> "DaemonFactory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path_factory, request):
+    """Start daemons in a test; every one is stopped at teardown, nothing of it left."""
+    with DaemonFactory(tmp_path_factory, request.node.name[:40]) as make:
+        yield make
+
+
+class EventStream:
+    """The manager's events (its PUB socket), subscribed before the test acts.
+
+    PUB sends nothing to a subscriber whose subscription has not reached it
+    yet, and says nothing when it has. So the stream is only handed out once
+    an event came through: the SUB handshake first, then a probe that makes the
+    manager publish (``servectl freeze MODEL off`` then ``on``: a thaw, or a
+    freeze once the engine is idle again; freezing stays on as configured).
+    """
+
+    def __init__(self, d: Daemon, probe_model: str, timeout: float = 60):
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        from servectl.wire import control as CP
+
+        self.decoder = CP.event_decoder
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            self.sub.connect(f"ipc://{d.runtime_dir / 'events'}")
+            assert monitor.poll(10000), "no connection to the events socket"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        finally:
+            self.sub.disable_monitor()
+            monitor.close()
+        d.cli("freeze", probe_model, "off", check=True)
+        d.cli("freeze", probe_model, "on", check=True)
+        self.seen: list = []
+        self.until(lambda seen: any(e.component == f"model:{probe_model}" for e in seen), timeout,
+                   what="the probe's event (the subscription is in place)")
+        self.seen.clear()
+
+    def until(self, predicate, timeout: float, what: str = "events") -> list:
+        """Collect events into ``seen`` until ``predicate(seen)`` holds."""
+        end = time.monotonic() + timeout
+        while not predicate(self.seen):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; seen: "
+                                     f"{[(e.component, e.state) for e in self.seen]}")
+            if self.sub.poll(int(min(left, 1.0) * 1000)):
+                self.seen.append(self.decoder.decode(self.sub.recv()))
+        return self.seen
+
+    def close(self) -> None:
+        self.sub.close()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @pytest.fixture(scope="session")
@@ -144,18 +331,9 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
     """The shared daemon: default model, one gateway, a short freeze grace."""
-    d = Daemon(tmp_path_factory.mktemp("shared"), api_key=SHARED_API_KEY,
-               config=f'[gateway]\napi_keys = ["{SHARED_API_KEY}"]\n[manager]\nfreeze_grace_s = 1.0\n')
-    try:
-        d.start()
-        yield d
-    finally:
-        try:
-            d.stop()
-        finally:
-            leftover = d.tree()
-            d.kill_all()
-        assert not leftover, f"processes of the shared daemon left after stop: {leftover}"
+    with DaemonFactory(tmp_path_factory, "shared") as make:
+        yield make(f'[gateway]\napi_keys = ["{SHARED_API_KEY}"]\n[manager]\nfreeze_grace_s = 1.0\n',
+                   api_key=SHARED_API_KEY)
 
 
 def read_stat(pid: int) -> list[str]:
@@ -178,3 +356,37 @@ def context_switches(pids: list[int]) -> int:
 
 def json_lines(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+# ---- the unit tier loads no vLLM or torch ---------------------------------------------
+
+HEAVY = ("vllm", "torch")
+_heavy_since: list[str] = []  # the collector or test after which vLLM/torch were first in sys.modules
+
+
+def heavy_modules() -> list[str]:
+    return sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+
+
+def pytest_collectreport(report):
+    if not _heavy_since and heavy_modules():
+        _heavy_since.append(f"collecting {report.nodeid}")
+
+
+def pytest_runtest_teardown(item):
+    if not _heavy_since and heavy_modules():
+        _heavy_since.append(f"running {item.nodeid}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """`pytest -m unit` must not import vLLM or torch (collection included): fail the run if it did."""
+    items = getattr(session, "items", None)
+    if not items or not all(item.get_closest_marker("unit") for item in items) or not heavy_modules():
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "unit tier loaded vLLM/torch", red=True)
+        reporter.write_line(f"first seen after {_heavy_since[0] if _heavy_since else '?'}: "
+                            f"{', '.join(heavy_modules()[:5])} ...")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
