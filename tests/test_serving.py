@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 
-from conftest import context_switches, read_stat, wait_for
+from conftest import context_switches, http, read_stat, wait_for
 
 
 def prompt_len(tokenizer, text: str) -> int:
@@ -71,25 +71,17 @@ def test_chat_stream(daemon):
 
 
 def test_sse_ends_with_done(daemon):
-    import urllib.request
-
-    req = urllib.request.Request(f"{daemon.base_url}/v1/completions", method="POST",
-                                 data=json.dumps({"model": "default", "prompt": "x", "max_tokens": 3,
-                                                  "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {daemon.api_key}"})
-    body = urllib.request.urlopen(req, timeout=60).read().decode()
-    assert body.rstrip().endswith("data: [DONE]")
+    r = http(daemon, "POST", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 3, "stream": True},
+             timeout=60)
+    assert r.status == 200 and r.headers.get_content_type() == "text/event-stream"
+    assert r.text.rstrip().endswith("data: [DONE]")
 
 
 def test_models_and_health(daemon):
-    import urllib.request
-
-    req = urllib.request.Request(f"{daemon.base_url}/v1/models", headers={"Authorization": f"Bearer {daemon.api_key}"})
-    models = json.load(urllib.request.urlopen(req, timeout=10))
-    assert [m["id"] for m in models["data"]] == ["default"]
-    health = json.load(urllib.request.urlopen(f"{daemon.base_url}/health", timeout=10))
-    assert health["models"]["default"]["state"] == "ready"
+    r = http(daemon, "GET", "/v1/models", timeout=10)
+    assert r.status == 200 and [m["id"] for m in r.json()["data"]] == ["default"]
+    health = http(daemon, "GET", "/health", key=None, timeout=10)
+    assert health.status == 200 and health.json()["models"]["default"]["state"] == "ready"
 
 
 def test_status_lists_every_kind_as_children_of_the_manager(daemon):
@@ -134,7 +126,7 @@ def tree_switches(daemon) -> tuple[int, list[int]]:
 
 def idle_window(daemon, seconds: float = 5.0) -> int:
     before, pids = tree_switches(daemon)
-    time.sleep(seconds)
+    time.sleep(seconds)  # the measurement itself: what the idle tree does over a fixed window
     after = context_switches(pids)
     return after - before
 
@@ -183,11 +175,9 @@ def test_client_disconnect_aborts_engine_request(daemon):
     s.close()  # the client walks away mid-stream
 
     def unfinished() -> float:
-        import urllib.request
-
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = urllib.request.urlopen(f"{daemon.base_url}/metrics", timeout=10).read().decode()
+        text = http(daemon, "GET", "/metrics", key=None, timeout=10).text
         for fam in text_string_to_metric_families(text):
             if fam.name == "servectl_requests_running":
                 return sum(s.value for s in fam.samples if s.labels.get("model") == "default")
