@@ -17,6 +17,7 @@ def stats(model_dir):
     return json.loads((model_dir / "training_stats.json").read_text())
 
 
+@pytest.mark.unit  # files only
 def test_model_card_figures(stats, model_dir):
     b = stats["held_out_bpb"]
     assert b["trained"] < b["unigram"] < b["random_init"]
