@@ -6,84 +6,231 @@ it until its engine's executor sends a signed call, runs the call on vLLM's
 bad frame without breaking its send/receive lockstep.
 
 Call frames (after the signature check): ``(call_id, method, args, kwargs,
-output_rank)``. Reply: ``(call_id, ok, result_or_error_text)``. Ranks other
-than ``output_rank`` reply with None to keep step outputs single-copy.
+output_rank)``. Reply: ``(call_id, ok, result_or_error_text)``, in the order
+the calls came. Ranks other than ``output_rank`` reply with None to keep step
+outputs single-copy.
+
+Async scheduling. With it vLLM's model runner returns an
+``AsyncModelRunnerOutput`` from ``sample_tokens`` (the device-to-host copy of
+the sampled tokens still running); ``get_output()`` blocks until it is done.
+As vLLM's own multiproc worker does (``WorkerProc.async_output_busy_loop``),
+that wait, and the reply's pickling and signing, happen on an output thread,
+so this loop is already receiving and launching step N+1 while step N's
+output is copied. Each ZeroMQ socket is used by one thread: the ROUTER by the
+loop, one end of an inproc PAIR by the output thread, which hands finished
+replies back to the loop (the loop forwards them to the ROUTER as soon as it
+is not inside a call). While anything is with the output thread, every later
+reply queues behind it there, so replies stay first in, first out. A worker
+that never sees an async output (CPU, or async scheduling off) never starts
+the thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import queue
+import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
 from engine_core.signing import BadSignature, Signer, read_key
+from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
-# execute_model, then sample_tokens(None) if it returned None: one round trip
-# per step instead of two when no request needs a grammar (see ZmqExecutor).
-EXECUTE_AND_SAMPLE = "__servectl_execute_and_sample__"
+_pair_ids = itertools.count()
 
 
-def serve(sock: zmq.Socket, signer: Signer, rank: int, log) -> None:
-    # vLLM is imported after the socket is bound so the engine can connect
-    # while this process is still paying for `import vllm`.
-    from vllm.v1.outputs import AsyncModelRunnerOutput
-    from vllm.v1.serial_utils import run_method
-    from vllm.v1.worker.worker_base import WorkerWrapperBase
+class _NoAsync:  # stands in for AsyncModelRunnerOutput where none can occur
+    pass
 
-    import torch
 
-    # Linux lends AMX tile registers only to a process that asks (arch_prctl);
-    # oneDNN asks when it JITs an AMX kernel, but vLLM's own AMX attention
-    # kernel does not, and dies of SIGILL if it runs first. Ask up front.
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()
-    wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
-    while True:
-        frames = sock.recv_multipart(copy=True)  # idle: blocks in the kernel
-        if len(frames) < 2:
-            signer.rejected += 1
-            log.warning("rejected frame: no payload (%d rejected so far)", signer.rejected)
-            continue
-        peer, body = frames[0], frames[1:]
-        try:
-            call = signer.loads(body)
-            call_id, method, args, kwargs, output_rank = call
-        except BadSignature as exc:
-            log.warning("rejected frame: %s (%d rejected so far)", exc, signer.rejected)
-            continue
-        except (TypeError, ValueError) as exc:
-            # Signed but not a call tuple: a bug in the signer's peer, still no crash.
-            signer.rejected += 1
-            log.warning("rejected frame: malformed call (%s) (%d rejected so far)", exc, signer.rejected)
-            continue
-        if method == STATS_METHOD:
-            reply = (call_id, True, {"rejected": signer.rejected, "rank": rank, "pid": os.getpid()})
-        else:
+class Replies:
+    """Sends replies in call order; async outputs are resolved on an output thread."""
+
+    def __init__(self, sock: zmq.Socket, signer: Signer, log, async_type: type,
+                 thread_init: Callable[[], None] = lambda: None):
+        self.sock = sock
+        self.signer = signer
+        self.log = log
+        self.async_type = async_type
+        self.thread_init = thread_init
+        self.in_thread = 0  # replies handed to the output thread and not yet forwarded (loop thread only)
+        self.thread: threading.Thread | None = None
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.address = f"inproc://servectl-worker-replies-{os.getpid()}-{next(_pair_ids)}"
+        self.pair = sock.context.socket(zmq.PAIR)
+        self.pair.setsockopt(zmq.LINGER, 0)
+        self.pair.bind(self.address)
+
+    # ---- the loop's side ----------------------------------------------------------
+    def send(self, peer: bytes, call_id: Any, ok: bool, value: Any) -> None:
+        if isinstance(value, self.async_type) or self.in_thread:
+            if self.thread is None:
+                self.log.info("async scheduling: async model outputs are resolved on an output thread")
+                self.thread = threading.Thread(target=self._output_loop, name="servectl-async-output", daemon=True)
+                self.thread.start()
+            self.in_thread += 1
+            self.work.put((peer, call_id, ok, value))
+            return
+        self.sock.send_multipart([peer, *self._frames(call_id, ok, value)], copy=False)
+
+    def forward(self) -> None:
+        """Pass every reply the output thread has finished to the ROUTER (never blocks)."""
+        while True:
             try:
-                if method == EXECUTE_AND_SAMPLE:
-                    result = wrapper.execute_model(*args)
-                    if result is None:
-                        result = wrapper.sample_tokens(None)
-                else:
-                    result = run_method(wrapper, method, args, kwargs or {})
-                if isinstance(result, AsyncModelRunnerOutput):
-                    result = result.get_output()
-                if output_rank is not None and output_rank != rank:
-                    result = None
-                reply = (call_id, True, result)
-            except Exception as exc:  # the executor re-raises it in the engine
-                log.exception("call %s failed", method if isinstance(method, str) else "<callable>")
-                reply = (call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                frames = self.pair.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.in_thread -= 1
+            self.sock.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.work.put(None)  # the output thread closes its socket and ends
+            self.thread.join()
+        self.pair.close()
+
+    # ---- both sides -------------------------------------------------------------------
+    def _frames(self, call_id: Any, ok: bool, value: Any) -> list[bytes]:
         try:
-            sock.send_multipart([peer, *signer.dumps(reply)])
+            return self.signer.dumps((call_id, ok, value))
         except Exception as exc:  # e.g. an unpicklable result: report it instead
-            sock.send_multipart([peer, *signer.dumps((call_id, False, f"reply not sendable: {exc!r}"))])
+            return self.signer.dumps((call_id, False, f"reply not sendable: {exc!r}"))
+
+    # ---- the output thread -----------------------------------------------------------
+    def _output_loop(self) -> None:
+        out = self.sock.context.socket(zmq.PAIR)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(self.address)
+        try:
+            self.thread_init()
+        except Exception:
+            self.log.exception("output thread setup failed")
+        try:
+            while True:
+                item = self.work.get()  # idle: blocks on the queue's lock
+                if item is None:
+                    return
+                peer, call_id, ok, value = item
+                if isinstance(value, self.async_type):
+                    try:
+                        value = value.get_output()
+                    except Exception as exc:
+                        self.log.exception("async model output failed")
+                        ok, value = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                out.send_multipart([peer, *self._frames(call_id, ok, value)], copy=False)
+        except zmq.ContextTerminated:
+            return
+        finally:
+            out.close()
+
+
+def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
+          run_method: Callable[..., Any] | None = None, async_type: type | None = None,
+          thread_init: Callable[[], None] | None = None) -> None:
+    """The worker loop. Returns when the socket's context is terminated.
+
+    ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
+    ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``;
+    tests pass stand-ins so this loop runs without vLLM.
+    """
+    if wrapper is None:
+        # vLLM is imported after the socket is bound so the engine can connect
+        # while this process is still paying for `import vllm`.
+        from vllm.v1.outputs import AsyncModelRunnerOutput
+        from vllm.v1.serial_utils import run_method as vllm_run_method
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+        import torch
+
+        # Linux lends AMX tile registers only to a process that asks (arch_prctl);
+        # oneDNN asks when it JITs an AMX kernel, but vLLM's own AMX attention
+        # kernel does not, and dies of SIGILL if it runs first. Ask up front.
+        if torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
+        wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
+        run_method = vllm_run_method
+        async_type = AsyncModelRunnerOutput
+
+        def thread_init() -> None:
+            # As vLLM's WorkerProc.async_output_busy_loop: a thread does not
+            # inherit the device, and a CUDA call on it would otherwise create
+            # a second context on device 0.
+            from vllm.platforms import current_platform
+
+            device = getattr(getattr(wrapper, "worker", None), "device", None)
+            if device is not None:
+                current_platform.set_device(device)
+
+    assert run_method is not None
+    replies = Replies(sock, signer, log, async_type or _NoAsync, thread_init or (lambda: None))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(replies.pair, zmq.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll())  # idle: blocks in the kernel
+            if replies.pair in events:
+                replies.forward()
+            if sock not in events:
+                continue
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                continue
+            _handle(frames, replies, signer, rank, log, wrapper, run_method, async_type or _NoAsync)
+            # A reply the output thread finished meanwhile goes out before the next call runs.
+            replies.forward()
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        replies.close()
+        sock.close()
+
+
+def _handle(frames: list[bytes], replies: Replies, signer: Signer, rank: int, log, wrapper: Any,
+            run_method: Callable[..., Any], async_type: type) -> None:
+    if len(frames) < 2:
+        signer.rejected += 1
+        log.warning("rejected frame: no payload (%d rejected so far)", signer.rejected)
+        return
+    peer, body = frames[0], frames[1:]
+    try:
+        call = signer.loads(body)
+        call_id, method, args, kwargs, output_rank = call
+    except BadSignature as exc:
+        log.warning("rejected frame: %s (%d rejected so far)", exc, signer.rejected)
+        return
+    except (TypeError, ValueError) as exc:
+        # Signed but not a call tuple: a bug in the signer's peer, still no crash.
+        signer.rejected += 1
+        log.warning("rejected frame: malformed call (%s) (%d rejected so far)", exc, signer.rejected)
+        return
+    if method == STATS_METHOD:
+        replies.send(peer, call_id, True, {"rejected": signer.rejected, "rank": rank, "pid": os.getpid()})
+        return
+    try:
+        if method == EXECUTE_AND_SAMPLE:
+            result = wrapper.execute_model(*args)
+            if result is None:
+                result = wrapper.sample_tokens(None)
+        else:
+            result = run_method(wrapper, method, args, kwargs or {})
+        if output_rank is not None and output_rank != rank:
+            result = None  # as vLLM's own workers, other ranks never resolve an async output
+    except Exception as exc:  # the executor re-raises it in the engine
+        log.exception("call %s failed", method if isinstance(method, str) else "<callable>")
+        replies.send(peer, call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        return
+    replies.send(peer, call_id, True, result)
 
 
 def main(argv: list[str] | None = None) -> int:

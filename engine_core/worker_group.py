@@ -1,0 +1,323 @@
+"""The engine's handle on its workers: calls, the reply deadline, freezing.
+
+No vLLM and no torch here (``ZmqExecutor`` in ``executor.py`` is the vLLM
+side), so the call logic is tested on its own against a worker double
+(tests/test_executor_unit.py).
+
+Calls. ``send`` signs one call per worker, all before any reply is awaited
+(``init_device`` is a rendezvous between ranks), and returns a
+``PendingCall``, a ``concurrent.futures.Future``. Several calls may be in
+flight at once (vLLM's batch queue keeps two steps outstanding under async
+scheduling). Workers answer in the order they were called, and the futures
+settle in that order too: a reply that arrives for another outstanding call
+than the one being waited for is kept in that call (never dropped); a call
+whose replies are all in settles only once every older call has settled.
+Replies for a call id that is not outstanding (an abandoned call) are dropped
+and logged.
+
+The deadline. Waiting is done by whoever asks a future for its result (the
+engine's one thread). The only deadline in the engine process is the one of
+the oldest outstanding call, armed when that call becomes the oldest (at its
+send if nothing was outstanding, else when its predecessor settled): a worker
+starts a call only after finishing the previous one, so a younger call's
+clock does not run while an older one holds the worker. Past the deadline the
+group is hung: every outstanding call fails with ``WorkerHung`` and the
+engine exits so the manager restarts the group. Nothing waits while nothing
+is in flight.
+
+Freezing. Idle workers are frozen (SIGSTOP through pidfds the manager passed
+in) and thawed (SIGCONT) before the next call; a group with a call in flight
+is never frozen. See DESIGN.md "Frozen when idle".
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from engine_core.signing import BadSignature, Signer
+
+log = logging.getLogger("engine_core.executor")
+
+# execute_model, then sample_tokens(None) if it returned None: one round trip
+# per step instead of two when no request needs a grammar (see StepCalls).
+EXECUTE_AND_SAMPLE = "__servectl_execute_and_sample__"
+STEP_METHODS = frozenset({"execute_model", EXECUTE_AND_SAMPLE})
+
+
+class WorkerHung(RuntimeError):
+    pass
+
+
+def method_name(method: Any) -> str:
+    return method if isinstance(method, str) else "<callable>"
+
+
+class PendingCall(Future):
+    """One call to every worker of the group; its result is the list of per-rank values.
+
+    ``pick`` (a rank) makes the result that rank's value alone. ``result()``
+    waits through the group (on the caller's thread) until this call settles;
+    a timeout other than None is not supported (the group's deadline rules).
+    """
+
+    def __init__(self, group: "WorkerGroup", call_id: int, method: str, ranks: int, timeout_s: float,
+                 pick: int | None):
+        super().__init__()
+        self.group = group
+        self.call_id = call_id
+        self.method = method
+        self.timeout_s = timeout_s
+        self.pick = pick
+        self.values: list[Any] = [None] * ranks
+        self.waiting = set(range(ranks))
+        self.errors: list[str] = []
+        self.deadline: float | None = None  # armed when this call is the oldest outstanding
+
+    @property
+    def complete(self) -> bool:
+        return not self.waiting
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            raise RuntimeError("PendingCall.result: the group's reply deadline applies, not a timeout")
+        while not self.done():
+            self.group.wait_once()
+        return super().result()
+
+    def _settle(self) -> None:
+        if self.errors:
+            self.set_exception(RuntimeError(f"worker call {self.method} failed: " + "\n".join(self.errors)))
+        else:
+            self.set_result(self.values[self.pick] if self.pick is not None else self.values)
+
+    def __repr__(self) -> str:
+        return f"<PendingCall {self.call_id} {self.method} waiting on ranks {sorted(self.waiting)}>"
+
+
+def done_future(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+@dataclass
+class WorkerGroup:
+    """The engine's handle on its workers; set before LLMEngine is built."""
+
+    worker_paths: list[str]
+    pidfds: list[int]
+    signer: Signer
+    reply_timeout_s: float
+    distributed_init_method: str
+    on_freeze_change: Callable[[bool], None] = lambda frozen: None
+    frozen: bool = False
+    sockets: list[zmq.Socket] = field(default_factory=list)
+    # Outstanding calls by id, oldest first.
+    outstanding: "OrderedDict[int, PendingCall]" = field(default_factory=OrderedDict)
+    # Steps (execute_model calls) sent, and those sent while an earlier call was
+    # still unanswered: the overlap async scheduling buys.
+    steps: int = 0
+    overlapped_steps: int = 0
+    dropped_replies: int = 0
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    def connect(self, ctx: zmq.Context) -> None:
+        for path in self.worker_paths:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{path}")
+            self.sockets.append(sock)
+        self.poller = zmq.Poller()
+        self.rank_of: dict[zmq.Socket, int] = {}
+        for rank, sock in enumerate(self.sockets):
+            self.poller.register(sock, zmq.POLLIN)
+            self.rank_of[sock] = rank
+
+    # ---- freezing ----------------------------------------------------------
+    def _signal_all(self, sig: int) -> None:
+        for fd in self.pidfds:
+            try:
+                signal.pidfd_send_signal(fd, sig)
+            except ProcessLookupError:
+                pass  # it died; the manager restarts the group
+
+    def freeze(self) -> bool:
+        """Stop the workers; never while a call is in flight. True if frozen now."""
+        if not self.frozen and self.pidfds and not self.outstanding:
+            self._signal_all(signal.SIGSTOP)
+            self.frozen = True
+            self.on_freeze_change(True)
+        return self.frozen
+
+    def thaw(self) -> None:
+        if self.frozen:
+            self._signal_all(signal.SIGCONT)
+            self.frozen = False
+            self.on_freeze_change(False)
+
+    # ---- calls ----------------------------------------------------------------
+    def call(self, method: str | bytes, args: tuple, kwargs: dict | None,
+             per_rank_args: list[tuple] | None = None, output_rank: int | None = None,
+             timeout: float | None = None) -> list[Any]:
+        """Send and wait: the per-rank values (FIFO behind anything already in flight)."""
+        return self.send(method, args, kwargs, per_rank_args, output_rank, timeout).result()
+
+    def send(self, method: str | bytes, args: tuple, kwargs: dict | None,
+             per_rank_args: list[tuple] | None = None, output_rank: int | None = None,
+             timeout: float | None = None, pick: int | None = None) -> PendingCall:
+        """Send a call to every worker (all before any reply: TP calls are rendezvous)."""
+        self.thaw()
+        name = method_name(method)
+        if name in STEP_METHODS:
+            self.steps += 1
+            if self.outstanding:
+                self.overlapped_steps += 1
+        call_id = next(self._ids)
+        for rank, sock in enumerate(self.sockets):
+            rank_args = per_rank_args[rank] if per_rank_args is not None else args
+            sock.send_multipart(self.signer.dumps((call_id, method, rank_args, kwargs, output_rank)), copy=False)
+        call = PendingCall(self, call_id, name, len(self.sockets),
+                           timeout if timeout is not None else self.reply_timeout_s, pick)
+        if not self.outstanding:
+            call.deadline = time.monotonic() + call.timeout_s
+        self.outstanding[call_id] = call
+        return call
+
+    def wait_once(self) -> None:
+        """Receive what the workers have sent, waiting no later than the oldest call's deadline."""
+        if not self.outstanding:
+            raise RuntimeError("nothing is in flight")
+        head = next(iter(self.outstanding.values()))
+        remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
+        # event-proof: a wait in the kernel for a worker's reply, bounded by the
+        # deadline of the oldest call in flight (armed only while one is).
+        ready = dict(self.poller.poll(remaining_ms))
+        if not ready:
+            if time.monotonic() < head.deadline:
+                return  # woken early (a signal): wait again
+            self._hung(head)
+        for sock in ready:
+            rank = self.rank_of[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_reply(rank, frames)
+        self._settle_in_order()
+
+    def _hung(self, head: PendingCall) -> None:
+        exc = WorkerHung(f"worker rank(s) {sorted(head.waiting)} gave no reply to {head.method} "
+                         f"within {head.timeout_s:g}s ({len(self.outstanding)} call(s) in flight)")
+        calls = list(self.outstanding.values())
+        self.outstanding.clear()
+        for call in calls:
+            call.set_exception(exc)
+        raise exc
+
+    def _on_reply(self, rank: int, frames: list[bytes]) -> None:
+        try:
+            reply_id, ok, value = self.signer.loads(frames)
+        except BadSignature as exc:
+            log.warning("rejected reply from rank %d: %s", rank, exc)
+            return
+        call = self.outstanding.get(reply_id)
+        if call is None or rank not in call.waiting:
+            self.dropped_replies += 1
+            log.warning("dropped a reply from rank %d to call %r, which is not in flight", rank, reply_id)
+            return
+        call.waiting.discard(rank)
+        if ok:
+            call.values[rank] = value
+        else:
+            call.errors.append(f"rank {rank}: {value}")
+
+    def _settle_in_order(self) -> None:
+        settled = False
+        while self.outstanding:
+            head = next(iter(self.outstanding.values()))
+            if not head.complete:
+                if settled:  # the next call's clock starts now that the worker is free for it
+                    head.deadline = time.monotonic() + head.timeout_s
+                return
+            del self.outstanding[head.call_id]
+            head._settle()
+            settled = True
+
+    # ---- counters --------------------------------------------------------------
+    def counters(self) -> str:
+        return (f"{self.steps} step(s) sent, {self.overlapped_steps} sent before the previous reply arrived "
+                f"(async scheduling overlap), {self.dropped_replies} stray repl(ies) dropped")
+
+
+class StepCalls:
+    """The executor's step protocol over a WorkerGroup, vLLM-free.
+
+    ``execute_model`` with no grammar in the step sends the fused call
+    (execute, then sample if execute returned None) and returns its future;
+    the ``sample_tokens`` that vLLM's engine core then asks for is that same
+    future. One round trip per step, synchronous or not:
+
+    - ``EngineCore.step`` (synchronous): ``execute_model(non_block=True)``
+      resolves to the sampled output, so it never calls ``sample_tokens``.
+    - ``EngineCore.step_with_batch_queue`` (async scheduling): it calls
+      ``sample_tokens(None, non_block=True)`` right after and queues that
+      future; two steps are then in flight at once.
+
+    With a grammar, ``execute_model`` and ``sample_tokens`` are two calls (the
+    bitmask is computed between them), each a future in the group's FIFO.
+    """
+
+    def __init__(self, group: WorkerGroup, output_rank: int):
+        self.group = group
+        self.output_rank = output_rank
+        self._fused: PendingCall | None = None
+
+    def _value(self, fut: Future, non_block: bool) -> Any:
+        return fut if non_block else fut.result()
+
+    def rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None, non_block: bool = False,
+            single_value: bool = False, output_rank: int | None = None, timeout: float | None = None) -> Any:
+        fut = self.group.send(method, tuple(args), kwargs, output_rank=output_rank, timeout=timeout,
+                              pick=output_rank if single_value else None)
+        return self._value(fut, non_block)
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if not getattr(scheduler_output, "has_structured_output_requests", True):
+            self._fused = self.group.send(EXECUTE_AND_SAMPLE, (scheduler_output,), None,
+                                          output_rank=self.output_rank, pick=self.output_rank)
+            return self._value(self._fused, non_block)
+        self._fused = None
+        return self.rpc("execute_model", (scheduler_output,), non_block=non_block, single_value=True,
+                        output_rank=self.output_rank)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        fused, self._fused = self._fused, None
+        if fused is not None:
+            if grammar_output is not None:  # cannot happen without structured requests; be loud
+                raise RuntimeError("grammar output for a step that was sampled without one")
+            return self._value(fused, non_block)
+        return self.rpc("sample_tokens", (grammar_output,), non_block=non_block, single_value=True,
+                        output_rank=self.output_rank)
+
+
+def engine_batch_queue(engine: Any) -> Any:
+    """vLLM's engine-core batch queue (steps in flight under async scheduling), or ``()``.
+
+    ``LLMEngine.engine_core`` is the in-process client, whose ``engine_core``
+    is the ``EngineCore``; its ``batch_queue`` is None without a batch queue.
+    Engines built by ``SERVECTL_ENGINE_FACTORY`` may have none at all.
+    """
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    queue = getattr(core, "batch_queue", None)
+    return queue if queue is not None else ()

@@ -1,0 +1,369 @@
+"""Issue 13: two calls in flight through the ZeroMQ executor, without vLLM or a GPU.
+
+``WorkerGroup`` (engine_core/worker_group.py) against a worker double
+(tests/worker_double.py: a ROUTER thread speaking the signed-pickle protocol):
+FIFO settling, a late reply, a dead worker, the deadline of the oldest call,
+the overlap counter, no freezing with a call in flight. Then the real worker
+loop (``engine_core.worker.serve``) with a stand-in model runner whose
+``sample_tokens`` returns an async output, driven by ``StepCalls`` the way
+vLLM's ``EngineCore.step_with_batch_queue`` drives the executor: the worker
+takes step N+1 while step N's output is still being resolved, and replies
+stay in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from engine_core.signing import Signer
+from engine_core.worker_group import EXECUTE_AND_SAMPLE, StepCalls, WorkerGroup, WorkerHung
+from worker_double import WorkerDouble, elapsed
+
+pytestmark = pytest.mark.unit
+
+KEY = b"k" * 32
+
+
+_GROUPS: list[WorkerGroup] = []
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    # Each socket is closed by the thread that uses it: the groups' here, the doubles' and
+    # the worker loop's on their own threads (the doubles on close(), the loop on ETERM).
+    while _GROUPS:
+        for sock in _GROUPS.pop().sockets:
+            sock.close()
+    t = threading.Thread(target=c.term, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a socket was left open"
+
+
+def make_group(ctx, tmp_path, ranks: int = 1, timeout: float = 5.0, pidfds=None) -> WorkerGroup:
+    g = WorkerGroup(worker_paths=[str(tmp_path / f"w{r}") for r in range(ranks)], pidfds=pidfds or [],
+                    signer=Signer(KEY), reply_timeout_s=timeout, distributed_init_method="unused")
+    g.connect(ctx)
+    _GROUPS.append(g)
+    return g
+
+
+@pytest.fixture
+def doubles(ctx, tmp_path):
+    made = []
+
+    def make(mode: str = "auto", rank: int = 0, **kw) -> WorkerDouble:
+        d = WorkerDouble(ctx, tmp_path / f"w{rank}", Signer(KEY), mode=mode, **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def test_modules_import_no_vllm_or_torch():
+    code = ("import sys, engine_core.worker_group, engine_core.worker, engine_core.signing; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_two_calls_in_flight_settle_first_in_first_out(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    order = []
+    a = g.send("execute_model", (1,), None)
+    b = g.send("execute_model", (2,), None)
+    a.add_done_callback(lambda f: order.append("a"))
+    b.add_done_callback(lambda f: order.append("b"))
+    (ida, _, _), (idb, _, _) = d.wait_calls(2)
+    # The worker answers the younger call first (a misbehaving worker): it is kept, not dropped,
+    # and settles only after the older one.
+    d.reply(idb, "B")
+    d.reply(ida, "A")
+    assert b.result() == ["B"]
+    assert a.done() and a.result() == ["A"]
+    assert order == ["a", "b"]
+    assert not g.outstanding and g.dropped_replies == 0
+
+
+def test_waiting_on_the_younger_call_settles_the_older_one_first(ctx, tmp_path, doubles):
+    doubles("auto", handler=lambda method, args: args[0] * 10)
+    g = make_group(ctx, tmp_path)
+    order = []
+    calls = [g.send("execute_model", (i,), None) for i in range(3)]
+    for i, c in enumerate(calls):
+        c.add_done_callback(lambda f, i=i: order.append(i))
+    assert calls[2].result() == [20]
+    assert order == [0, 1, 2]
+    assert [c.result() for c in calls] == [[0], [10], [20]]
+
+
+def test_a_late_reply_to_an_older_call_is_kept(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    a = g.send("sample_tokens", (None,), None, pick=0)
+    b = g.send("execute_model", ("n+1",), None, pick=0)
+    (ida, _, _), (idb, _, _) = d.wait_calls(2)
+    d.reply_later(0.2, ida, "late A")
+    d.reply_later(0.3, idb, "B")
+    t0 = time.monotonic()
+    assert b.result() == "B"
+    assert a.result() == "late A"
+    assert 0.25 < elapsed(t0) < 4
+
+
+def test_a_reply_to_a_call_not_in_flight_is_dropped(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    a = g.send("execute_model", (), None, pick=0)
+    (ida, _, _), = d.wait_calls(1)
+    d.reply(ida + 1000, "stray")
+    d.reply(ida, "A")
+    assert a.result() == "A"
+    assert g.dropped_replies == 1
+
+
+def test_a_dead_worker_is_hung_at_the_deadline(ctx, tmp_path, doubles):
+    doubles("dead")
+    g = make_group(ctx, tmp_path, timeout=0.5)
+    a = g.send("execute_model", (), None)
+    b = g.send("sample_tokens", (), None)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerHung, match=r"rank\(s\) \[0\] gave no reply to execute_model within 0.5s"):
+        b.result()
+    assert 0.45 < elapsed(t0) < 3
+    # Every call in flight fails with it; nothing is left outstanding to wait on.
+    with pytest.raises(WorkerHung):
+        a.result()
+    assert not g.outstanding
+
+
+def test_the_deadline_is_the_oldest_calls(ctx, tmp_path, doubles):
+    doubles("dead")
+    g = make_group(ctx, tmp_path)
+    g.send("execute_model", (), None, timeout=0.4)
+    young = g.send("sample_tokens", (), None, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerHung, match="execute_model within 0.4s"):
+        young.result()  # waiting on the young call still hangs at the old call's deadline
+    assert elapsed(t0) < 5
+
+
+def test_a_calls_clock_starts_when_it_becomes_the_oldest(ctx, tmp_path, doubles):
+    """The worker starts call B only after A: B's deadline runs from A's reply, not from B's send."""
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    a = g.send("execute_model", (), None, timeout=30, pick=0)
+    b = g.send("execute_model", (), None, timeout=1.0, pick=0)
+    (ida, _, _), (idb, _, _) = d.wait_calls(2)
+    d.reply_later(0.7, ida, "A")
+    d.reply_later(1.4, idb, "B")  # 1.4 s after B was sent, 0.7 s after A settled
+    assert a.result() == "A"
+    assert b.result() == "B"
+
+
+def test_a_failed_call_raises_and_the_next_call_still_settles(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    a = g.send("execute_model", (), None)
+    b = g.send("execute_model", (), None, pick=0)
+    (ida, _, _), (idb, _, _) = d.wait_calls(2)
+    d.reply(ida, "boom", ok=False)
+    d.reply(idb, "fine")
+    with pytest.raises(RuntimeError, match="rank 0: boom"):
+        a.result()
+    assert b.result() == "fine"
+
+
+def test_tensor_parallel_call_waits_for_every_rank_and_names_the_silent_one(ctx, tmp_path, doubles):
+    doubles("auto", rank=0, handler=lambda m, a: "r0")
+    doubles("dead", rank=1)
+    g = make_group(ctx, tmp_path, ranks=2, timeout=0.4)
+    with pytest.raises(WorkerHung, match=r"rank\(s\) \[1\]"):
+        g.call("init_device", (), None)
+
+
+def test_overlap_counter_counts_steps_sent_before_the_previous_reply(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    first = g.send("execute_model", (), None)
+    g.send("sample_tokens", (), None)
+    assert (g.steps, g.overlapped_steps) == (1, 0)
+    # Two batches queued: step N+1 goes out while step N is unanswered.
+    g.send(EXECUTE_AND_SAMPLE, (), None)
+    assert (g.steps, g.overlapped_steps) == (2, 1)
+    for call_id, _, _ in d.wait_calls(3):
+        d.reply(call_id, None)
+    first.result()
+    while g.outstanding:
+        next(iter(g.outstanding.values())).result()
+    g.send("execute_model", (), None)  # nothing in flight: not an overlap
+    assert (g.steps, g.overlapped_steps) == (3, 1)
+    assert "1 sent before the previous reply arrived" in g.counters()
+
+
+def test_a_group_with_a_call_in_flight_is_never_frozen(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pidfd = os.pidfd_open(proc.pid)
+    events = []
+    try:
+        g = make_group(ctx, tmp_path, pidfds=[pidfd])
+        g.on_freeze_change = events.append
+        a = g.send("execute_model", (), None)
+        assert g.freeze() is False and not g.frozen
+        (ida, _, _), = d.wait_calls(1)
+        d.reply(ida, None)
+        a.result()
+        assert g.freeze() is True
+        stopped = os.waitid(os.P_PIDFD, pidfd, os.WSTOPPED)  # returns once the SIGSTOP has landed
+        assert stopped.si_code == os.CLD_STOPPED
+        g.send("execute_model", (), None)  # a call thaws first
+        assert events == [True, False]
+    finally:
+        os.close(pidfd)
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+# ---- the real worker loop, with a stand-in model runner -----------------------------------------
+
+class FakeAsyncOutput:
+    """Stands in for vLLM's AsyncModelRunnerOutput: get_output blocks until the 'device' is done."""
+
+    def __init__(self, step: int, release: threading.Event, log: list):
+        self.step, self.release, self.log = step, release, log
+
+    def get_output(self):
+        assert self.release.wait(10), f"step {self.step} never released"
+        self.log.append(("output", self.step, threading.current_thread().name))
+        return {"step": self.step, "tokens": [self.step]}
+
+
+class FakeRunner:
+    """execute_model defers sampling (returns None); sample_tokens returns an async output."""
+
+    def __init__(self):
+        self.log: list = []
+        self.releases: dict[int, threading.Event] = {}
+        self.executed = threading.Condition()
+        self.pending = None
+
+    def execute_model(self, scheduler_output):
+        with self.executed:
+            self.log.append(("execute", scheduler_output.step))
+            self.executed.notify_all()
+        self.pending = scheduler_output.step
+        return None
+
+    def sample_tokens(self, grammar_output):
+        step = self.pending
+        self.releases[step] = threading.Event()
+        return FakeAsyncOutput(step, self.releases[step], self.log)
+
+    def wait_executed(self, step: int, timeout: float = 10) -> None:
+        with self.executed:
+            assert self.executed.wait_for(lambda: ("execute", step) in self.log, timeout), self.log
+
+
+def run_method(wrapper, method, args, kwargs):
+    return getattr(wrapper, method)(*args, **kwargs)
+
+
+@pytest.fixture
+def real_worker(ctx, tmp_path):
+    import logging
+
+    from engine_core.worker import serve
+
+    runner = FakeRunner()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{tmp_path / 'w0'}")
+    t = threading.Thread(target=serve, args=(sock, Signer(KEY), 0, logging.getLogger("test-worker")),
+                         kwargs=dict(wrapper=runner, run_method=run_method, async_type=FakeAsyncOutput),
+                         daemon=True, name="worker-main")
+    t.start()
+    yield runner
+    # ContextTerminated ends serve(); release anything still pending so its output thread can finish.
+    for ev in runner.releases.values():
+        ev.set()
+
+
+def step(n: int, structured: bool = False):
+    return SimpleNamespace(step=n, has_structured_output_requests=structured)
+
+
+def test_worker_takes_step_n_plus_1_while_step_n_output_is_pending(ctx, tmp_path, real_worker):
+    """As step_with_batch_queue: execute+sample N, then N+1, then collect N, then N+1."""
+    g = make_group(ctx, tmp_path, timeout=10)
+    calls = StepCalls(g, output_rank=0)
+    exec_n = calls.execute_model(step(1), non_block=True)
+    out_n = calls.sample_tokens(None, non_block=True)
+    assert out_n is exec_n  # fused: one call, one future
+    exec_n1 = calls.execute_model(step(2), non_block=True)
+    out_n1 = calls.sample_tokens(None, non_block=True)
+    assert g.overlapped_steps == 1
+    # The worker has run step 2's execute while step 1's output is still unresolved.
+    real_worker.wait_executed(2)
+    assert not out_n.done()
+    real_worker.releases[1].set()
+    assert out_n.result() == {"step": 1, "tokens": [1]}
+    real_worker.releases[2].set()
+    assert out_n1.result() == {"step": 2, "tokens": [2]}
+    assert exec_n1 is out_n1
+    outputs = [e for e in real_worker.log if e[0] == "output"]
+    assert [e[1] for e in outputs] == [1, 2]
+    assert all(e[2] == "servectl-async-output" for e in outputs)  # off the worker's loop
+
+
+def test_synchronous_step_gets_the_sampled_output_from_execute_model(ctx, tmp_path, real_worker):
+    """As EngineCore.step: execute_model(non_block=True).result() is the sampled output."""
+    g = make_group(ctx, tmp_path, timeout=10)
+    calls = StepCalls(g, output_rank=0)
+    for n in (1, 2, 3):
+        fut = calls.execute_model(step(n), non_block=True)
+        real_worker.wait_executed(n)
+        real_worker.releases[n].set()
+        assert fut.result() == {"step": n, "tokens": [n]}
+    assert g.overlapped_steps == 0 and g.steps == 3
+
+
+def test_replies_after_an_async_output_keep_their_order(ctx, tmp_path, real_worker):
+    """A plain call behind a pending async output is answered after it, not before."""
+    g = make_group(ctx, tmp_path, timeout=10)
+    calls = StepCalls(g, output_rank=0)
+    out = calls.execute_model(step(1), non_block=True)
+    pend = calls.rpc("wait_executed", (1,), non_block=True, single_value=True, output_rank=0)
+    real_worker.wait_executed(1)
+    time.sleep(0.1)  # let the plain call run on the worker; its reply must queue behind step 1's
+    assert not pend.done()
+    real_worker.releases[1].set()
+    assert pend.result() is None and out.done()
+
+
+def test_structured_steps_are_two_calls_in_the_same_fifo(ctx, tmp_path, doubles):
+    d = doubles("auto", handler=lambda m, a: m)
+    g = make_group(ctx, tmp_path)
+    calls = StepCalls(g, output_rank=0)
+    e = calls.execute_model(step(1, structured=True), non_block=True)
+    s = calls.sample_tokens("bitmask", non_block=True)
+    assert s.result() == "sample_tokens" and e.result() == "execute_model"
+    assert [m for _, m, _ in d.calls] == ["execute_model", "sample_tokens"]
+    with pytest.raises(RuntimeError, match="grammar output for a step that was sampled without one"):
+        calls.execute_model(step(2), non_block=True)
+        calls.sample_tokens("bitmask", non_block=True)
