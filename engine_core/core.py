@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +29,7 @@ import zmq
 
 from servectl.wire import engine as P
 from engine_core.signing import Signer, read_key
+from engine_core.worker_group import engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire.spawn import EngineSpec, engine_component, engine_identity
 from servectl.paths import RuntimePaths, bind_private
@@ -82,8 +84,12 @@ class EngineServer:
     # ---- the loop ------------------------------------------------------------
     def run(self) -> None:
         idle_since = time.monotonic()
+        # Async scheduling: steps still in vLLM's batch queue are work in flight
+        # even when no request is unfinished (one may have finished meanwhile);
+        # keep stepping until it is empty, so workers never freeze under a batch.
+        in_flight = engine_batch_queue(self.engine)
         while True:
-            busy = self.engine.has_unfinished_requests()
+            busy = self.engine.has_unfinished_requests() or bool(in_flight)
             if busy:
                 timeout = 0
             elif self.group.frozen or self.freeze_grace_ms is None:
@@ -99,7 +105,7 @@ class EngineServer:
                 self._drain_frontend()
             if self.control in events:
                 self._drain_control()
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_unfinished_requests() or in_flight:
                 self._step()
                 idle_since = time.monotonic()
                 self._check_drained()
@@ -133,6 +139,7 @@ class EngineServer:
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
         self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
                                       unfinished=self.engine.get_num_unfinished_requests(),
+                                      overlapped_steps=self.group.overlapped_steps,
                                       rejected_frames=self.rejected))
 
     def _check_drained(self) -> None:
@@ -399,11 +406,21 @@ def main(argv: list[str] | None = None) -> int:
         component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
         detail=json.dumps({"max_model_len": server.max_model_len}))))
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
+    # The executor's counters (async scheduling overlap) go to the log at shutdown,
+    # which is a SIGTERM from the manager: log, then die of it as before.
+    def log_counters_and_die(signum, frame) -> None:
+        log.info("stopping: %s", group.counters())
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, log_counters_and_die)
     try:
         server.run()
     except ex.WorkerHung as exc:
         log.error("%s: the group is hung; exiting so the manager restarts it", exc)
         return 75
+    finally:
+        log.info("executor: %s", group.counters())
     return 0
 
 

@@ -96,6 +96,9 @@ class StatsReply(_Msg, tag="stats_reply"):
     incarnation: str
     unfinished: int
     rejected_frames: int
+    # Steps whose execute_model went to the workers before the previous step's
+    # reply arrived (async scheduling's overlap); 0 when it is off.
+    overlapped_steps: int = 0
 
 
 ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply]
