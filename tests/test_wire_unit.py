@@ -27,7 +27,12 @@ MODEL = ModelConfig(name="m.1", model="/models/m", tensor_parallel_size=2, devic
 CHILD = CP.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
                        since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"])
 
-# Every field differs from its default, so omit_defaults hides nothing.
+def known_fields(cls, **values):
+    """A message with those of ``values`` that this version of it has (fields come and go)."""
+    return cls(**{k: v for k, v in values.items() if k in cls.__struct_fields__})
+
+
+# Every field differs from its default in some sample, so omit_defaults hides nothing.
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
     CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", detail="up")],
@@ -79,7 +84,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                     EP.StepOutput(incarnation="abc", deltas=[])],
     EP.RequestError: [EP.RequestError(incarnation="abc", request_id="r1", message="too long", status=503,
                                       param="max_tokens")],
-    EP.StatsReply: [EP.StatsReply(incarnation="abc", unfinished=2, rejected_frames=1)],
+    EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
+                                 overlapped_steps=5)],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0)],
@@ -118,6 +124,17 @@ def test_every_message_has_samples():
     assert defined == set(SAMPLES), f"add round-trip samples for {sorted(c.__name__ for c in defined - set(SAMPLES))}"
     for cls, samples in SAMPLES.items():
         assert samples and all(type(s) is cls for s in samples), cls
+
+
+def test_samples_set_every_field_to_something_else_than_its_default():
+    for cls, samples in SAMPLES.items():
+        info = msgspec.inspect.type_info(cls)
+        for field in info.fields:
+            if field.required:
+                continue
+            default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+            assert any(getattr(s, field.name) != default for s in samples), \
+                f"no sample of {cls.__name__} sets {field.name}"
 
 
 def test_every_tagged_message_belongs_to_exactly_one_direction():
@@ -224,7 +241,7 @@ def test_a_message_sent_the_wrong_way_is_refused(decoder, msg):
         decoder.decode(msgspec.msgpack.encode(msg))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(frame=st.binary(max_size=64) | st.builds(msgspec.msgpack.encode, st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(["type", "model", "pid", "x"]) | st.text(
@@ -243,7 +260,7 @@ model_names = st.from_regex(NAME_PATTERN, fullmatch=True)
 numbers = st.integers(min_value=0, max_value=10**6)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(model=model_names, n=numbers)
 def test_built_names_parse_back_to_their_parts(model, n):
     C = SP.ComponentName
@@ -299,7 +316,7 @@ def test_names_no_builder_makes_parse_to_none(name):
     assert SP.parse_component(name) is None
 
 
-@settings(max_examples=500, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(name=st.text(alphabet=st.characters(max_codepoint=127), max_size=24)
        | st.builds(lambda k, rest: f"{k}:{rest}", st.sampled_from(["engine_core", "worker", "gateway", "standby",
                                                                       "model"]),
