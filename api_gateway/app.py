@@ -187,6 +187,7 @@ class Gateway:
             stats = await link.stats()
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)
+                self.metrics.overlapped_steps.labels(model=name).set(stats.overlapped_steps)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

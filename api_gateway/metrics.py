@@ -37,6 +37,11 @@ class Metrics:
                              ["model"], multiprocess_mode="livemostrecent", **reg)
         self.waiting = Gauge("servectl_requests_waiting", "Requests waiting for their engine to be ready",
                              ["model"], multiprocess_mode="livesum", **reg)
+        # Steps whose next execute_model went to the workers before the previous
+        # reply came back (vLLM's async scheduling overlap; 0 on CPU).
+        self.overlapped_steps = Gauge("servectl_engine_overlapped_steps",
+                                      "Engine steps sent while the previous one was still executing",
+                                      ["model"], multiprocess_mode="livemostrecent", **reg)
         self.engine_restarts = Counter("servectl_engine_restarts", "Engine group restarts seen", ["model"], **reg)
         self.child_states = Gauge("servectl_child_state", "1 for the state each supervised process is in",
                                   ["component", "state"], multiprocess_mode="max", **reg)

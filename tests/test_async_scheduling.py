@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import ROOT, Daemon, wait_for
+from conftest import ROOT, Daemon, http, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
 from servectl.wire import engine as EP
 
@@ -117,6 +117,12 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_overlaps_steps(pair_d
     assert [n for _, n in overlapped] == [8 + 4 * i for i in range(len(PROMPTS))]
     assert engine_stats(pair_daemon, "async").overlapped_steps > before
     assert engine_stats(pair_daemon, "sync").overlapped_steps == 0
+    # The same counter on the gateway's /metrics.
+    metrics = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+               for line in http(pair_daemon, "GET", "/metrics").text.splitlines()
+               if line.startswith("servectl_engine_overlapped_steps{")}
+    assert metrics['model="async"'] > 0
+    assert metrics['model="sync"'] == 0
     # The worker got vLLM's async model-runner outputs and resolved them on its output thread.
     assert "async model outputs are resolved on an output thread" in pair_daemon.log("worker:async:0")
     assert "output thread" not in pair_daemon.log("worker:sync:0")
