@@ -18,7 +18,8 @@ import msgspec
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "default"
 DEFAULT_MODEL_NAME = "default"
 CONFIG_SEARCH = (Path("servectl.toml"), Path("/etc/servectl/servectl.toml"))
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+# \Z, not $: "$" also matches before a final newline, so "ok\n" would pass.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z"
 
 # An idle engine freezes its workers after this long (also what `servectl
 # freeze MODEL on` uses when the config turned freezing off with 0).
@@ -147,7 +148,9 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
         try:
             keys = Path(cfg.gateway.api_key_file).read_text().split()
         except OSError as exc:
-            raise ConfigError(f"config error: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: {exc.strerror}") from None
+            where = f" in {path}" if path else ""
+            raise ConfigError(f"config error{where}: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: "
+                              f"{exc.strerror}") from None
         cfg.gateway.api_keys = list(dict.fromkeys([*cfg.gateway.api_keys, *keys]))
     return cfg
 
@@ -178,19 +181,19 @@ def apply_overrides(cfg: Config, ov: Overrides) -> Config:
         cfg.gateway.host = ov.host
     if ov.port is not None:
         cfg.gateway.port = ov.port
-    if ov.gateways:
+    if ov.gateways is not None:
         cfg.gateway.processes = ov.gateways
     if ov.freeze_grace_s is not None:
         cfg.manager.freeze_grace_s = ov.freeze_grace_s
     if ov.api_key_file:
         cfg.gateway.api_key_file = ov.api_key_file
-    if ov.model or ov.name or ov.tensor_parallel_size or ov.engine_args:
+    if ov.model or ov.name or ov.tensor_parallel_size is not None or ov.engine_args:
         target = cfg.models[0]
         if ov.model:
             target.model = ov.model
         if ov.name:
             target.name = ov.name
-        if ov.tensor_parallel_size:
+        if ov.tensor_parallel_size is not None:
             target.tensor_parallel_size = ov.tensor_parallel_size
         target.engine_args = {**target.engine_args, **ov.engine_args}
     try:

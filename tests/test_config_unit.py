@@ -169,8 +169,6 @@ def test_missing_api_key_file_names_the_key_and_the_key_file(tmp_path):
     assert "gateway.api_key_file" in msg and str(missing) in msg and "No such file or directory" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="product: finalize() does not put the config file in the api_key_file "
-                                       "error (every other config error names it)")
 def test_missing_api_key_file_names_the_config_file_too(tmp_path):
     msg = load_error(tmp_path, f"[gateway]\napi_key_file = '{tmp_path / 'no-keys'}'\n")
     assert str(tmp_path / "servectl.toml") in msg, msg
@@ -240,9 +238,12 @@ def test_missing_api_key_file_option_is_an_error(tmp_path):
     assert f"gateway.api_key_file: cannot read {tmp_path / 'none'}" in str(exc.value)
 
 
-@pytest.mark.xfail(strict=True, reason="product: apply_overrides tests `if ov.gateways` / `if "
-                                       "ov.tensor_parallel_size`, so 0 is silently ignored while -1 is refused")
 @pytest.mark.parametrize("ov", [C.Overrides(gateways=0), C.Overrides(tensor_parallel_size=0)])
 def test_zero_processes_or_ranks_as_an_option_is_refused(ov):
     with pytest.raises(C.ConfigError):
         C.effective_config(EMPTY, ov)
+
+
+def test_a_model_name_with_a_final_newline_is_refused(tmp_path):
+    msg = load_error(tmp_path, '[[models]]\nname = "ok\\n"\nmodel = "/m"\n')
+    assert "models[0].name" in msg

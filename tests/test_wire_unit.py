@@ -296,21 +296,17 @@ def test_names_that_are_not_ours_parse_to_none(name):
     assert SP.parse_component(name) is None
 
 
-NOT_OURS_YET = pytest.mark.xfail(strict=True, reason="product: parse_component accepts what no builder makes "
-                                 "(model parts outside NAME_PATTERN, non-ASCII digits, standbys of members "
-                                 "that have none) or raises on them")
-
 
 @pytest.mark.parametrize("name", [
-    pytest.param("gateway:\u00b2", id="superscript-two-raises-ValueError", marks=NOT_OURS_YET),
-    pytest.param("worker:a:\u0663", id="arabic-indic-digit", marks=NOT_OURS_YET),
-    pytest.param("gateway:01", id="leading-zero", marks=NOT_OURS_YET),
-    pytest.param("engine_core:a:b", id="colon-in-model", marks=NOT_OURS_YET),
-    pytest.param("worker:a:b:0", id="colon-in-worker-model", marks=NOT_OURS_YET),
-    pytest.param("engine_core:a b", id="space-in-model", marks=NOT_OURS_YET),
-    pytest.param("standby:gateway:0", id="standby-of-a-gateway", marks=NOT_OURS_YET),
-    pytest.param("standby:model:a", id="standby-of-a-model", marks=NOT_OURS_YET),
-    pytest.param("standby:standby:engine_core:a", id="standby-of-a-standby", marks=NOT_OURS_YET),
+    pytest.param("gateway:\u00b2", id="superscript-two-raises-ValueError"),
+    pytest.param("worker:a:\u0663", id="arabic-indic-digit"),
+    pytest.param("gateway:01", id="leading-zero"),
+    pytest.param("engine_core:a:b", id="colon-in-model"),
+    pytest.param("worker:a:b:0", id="colon-in-worker-model"),
+    pytest.param("engine_core:a b", id="space-in-model"),
+    pytest.param("standby:gateway:0", id="standby-of-a-gateway"),
+    pytest.param("standby:model:a", id="standby-of-a-model"),
+    pytest.param("standby:standby:engine_core:a", id="standby-of-a-standby"),
 ])
 def test_names_no_builder_makes_parse_to_none(name):
     assert SP.parse_component(name) is None

@@ -9,12 +9,13 @@ Names are built and parsed here only: ``engine_core:<model>``,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
-from servectl.config import GatewayConfig, ModelConfig
+from servectl.config import NAME_PATTERN, GatewayConfig, ModelConfig
 
 ENGINE, WORKER, GATEWAY, STANDBY, MODEL = "engine_core", "worker", "gateway", "standby", "model"
 
@@ -112,17 +113,23 @@ class ComponentName:
     member: str | None = None  # a standby's member component
 
 
+_MODEL_NAME = re.compile(NAME_PATTERN)
+_INDEX = re.compile(r"(0|[1-9][0-9]*)\Z", re.ASCII)  # exactly what str(int) makes
+
+
 def parse_component(name: str) -> ComponentName | None:
-    """The parts of a component name, or None if it is not one of ours."""
+    """The parts of a component name, or None for anything no builder above makes."""
     kind, _, rest = name.partition(":")
     if kind == STANDBY:
         member = parse_component(rest)
-        return ComponentName(STANDBY, member.model, member.index, rest) if member else None
-    if kind in (ENGINE, MODEL) and rest:
-        return ComponentName(kind, rest)
+        # Only group members (an engine, a worker) have standbys.
+        return ComponentName(STANDBY, member.model, member.index, rest) \
+            if member is not None and member.kind in (ENGINE, WORKER) else None
+    if kind in (ENGINE, MODEL):
+        return ComponentName(kind, rest) if _MODEL_NAME.match(rest) else None
     if kind == WORKER:
         model, _, rank = rest.rpartition(":")
-        return ComponentName(WORKER, model, int(rank)) if model and rank.isdigit() else None
-    if kind == GATEWAY and rest.isdigit():
+        return ComponentName(WORKER, model, int(rank)) if _MODEL_NAME.match(model) and _INDEX.match(rank) else None
+    if kind == GATEWAY and _INDEX.match(rest):
         return ComponentName(GATEWAY, None, int(rest))
     return None
