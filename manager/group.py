@@ -156,8 +156,8 @@ class EngineGroup:
         if self.cfg.devices is not None:
             base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
         worker_env = dict(base)
-        # Share the cores between the ranks unless the operator said otherwise.
-        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.tensor_parallel_size)))
+        if "OMP_NUM_THREADS" not in worker_env:  # the operator's word wins
+            worker_env.update(worker_threads(self.cfg.tensor_parallel_size, has_accelerator()))
         engine_env = dict(base)
         engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
         return engine_env, worker_env
@@ -284,6 +284,28 @@ class EngineGroup:
         await self.stop(grace_s, keep_standbys=True)  # same configuration: the standbys fit
         self.policy.reset()
         self.start()
+
+
+def has_accelerator() -> bool:
+    """A GPU host (NVIDIA or AMD device nodes): workers compute there, not on the cores."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def worker_threads(tp: int, accelerator: bool, cpus: int | None = None) -> dict[str, str]:
+    """Workers' OpenMP threads, as vLLM's own executors choose them.
+
+    On CPU, vLLM's executor reserves one core per rank for the scheduling
+    process and gives each worker an equal share of the rest. Two workers'
+    threads on cores the engine also needs are what costs most here: an OpenMP
+    team whose thread is preempted waits at every barrier (measured: servectl
+    at concurrency 1 on 2 loaded cores did 24 tok/s with 2 threads, 143 with 1).
+    On a GPU host, vLLM sizes the pool for loading (cores / ranks) and marks
+    it as its own, so the worker drops to one thread once it serves.
+    """
+    cpus = cpus or len(os.sched_getaffinity(0))
+    if accelerator:
+        return {"OMP_NUM_THREADS": str(max(1, cpus // tp)), "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"}
+    return {"OMP_NUM_THREADS": str(max(1, (cpus - tp) // tp))}
 
 
 def key_pipe(key: bytes) -> int:

@@ -237,3 +237,29 @@ def test_plan_reload_replaces_gateways_only_when_their_section_changed():
     plan = plan_reload([model("a")], C.GatewayConfig(port=9000), C.Config(gateway=new_gateway, models=[model("a")]))
     assert plan.gateway == new_gateway
     assert plan.summary().endswith("gateway changed")
+
+
+# ---- worker threads ------------------------------------------------------------------
+
+def test_cpu_workers_leave_one_core_per_rank_to_the_engine():
+    from manager.group import worker_threads
+
+    assert worker_threads(1, accelerator=False, cpus=2) == {"OMP_NUM_THREADS": "1"}
+    assert worker_threads(1, accelerator=False, cpus=16) == {"OMP_NUM_THREADS": "15"}
+    assert worker_threads(2, accelerator=False, cpus=16) == {"OMP_NUM_THREADS": "7"}
+    assert worker_threads(2, accelerator=False, cpus=2) == {"OMP_NUM_THREADS": "1"}
+
+
+def test_gpu_workers_size_the_pool_for_loading_and_let_vllm_drop_it():
+    from manager.group import worker_threads
+
+    assert worker_threads(2, accelerator=True, cpus=16) == {"OMP_NUM_THREADS": "8",
+                                                          "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"}
+
+
+def test_the_operators_thread_count_wins(tmp_path):
+    host = HostDouble(tmp_path)
+    group = EngineGroup(C.ModelConfig(name="m", model="/x", env={"OMP_NUM_THREADS": "3"}), host)
+    engine_env, worker_env = group.member_envs()
+    assert worker_env["OMP_NUM_THREADS"] == "3"
+    assert "VLLM_OMP_NUM_THREADS_SET_BY_VLLM" not in worker_env

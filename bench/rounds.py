@@ -1,0 +1,150 @@
+"""Per-step cost, servectl against `vllm serve`: alternating rounds, medians and spread.
+
+    python -m bench.rounds                       # 3 rounds: A B A B A B, fresh servers each time
+    python -m bench.rounds --rounds 5 --concurrency 1,16,64
+    python -m bench.rounds --only servectl --env-b OMP_NUM_THREADS=2   # an A/B of servectl settings
+
+One round starts a server, warms it up (a short run, not counted), drives it
+with vLLM's own serving benchmark at each concurrency (streaming), then with
+the in-repo non-streaming client at concurrency 16, and stops it; then the
+other server, the same way. Single runs on this shared 2-core machine move by
+±30 %: only the median of alternating rounds, with the spread beside it,
+counts. Raw rounds, medians and ratios go to ``bench/results/<date>-rounds.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.run import ROOT, Servectl, VllmServe, machine, non_stream_load, vllm_bench, wait_completion
+
+FIGURES = ("output_throughput", "median_itl_ms", "median_ttft_ms", "p99_itl_ms")
+
+
+def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path) -> dict:
+    server.start()
+    try:
+        cold = wait_completion(server.base, server.proc if isinstance(server, VllmServe) else None, 900)
+        if cold is None:
+            return {"error": "did not start"}
+        if isinstance(server, Servectl) and server.warm_standby:
+            server.wait_warm()  # the standbys' import is not part of the load
+        vllm_bench(server.base, 4, 16, p.input_len, p.output_len, work)  # warm-up, not counted
+        out: dict = {"stream": {}}
+        for c in concurrency:
+            r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work)
+            out["stream"][str(c)] = {k: r.get(k) for k in FIGURES}
+        ns = asyncio.run(non_stream_load(server.base, 16, p.non_stream_requests, p.output_len))
+        out["non_stream_c16"] = {**ns, "tok_s": round(ns["ok"] * p.output_len / ns["seconds"], 1)}
+        return out
+    finally:
+        server.stop()
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Median and (min, max) of every figure over the rounds that completed."""
+    ok = [r for r in rounds if "error" not in r]
+    out: dict = {"rounds": len(ok), "stream": {}, "non_stream_c16_tok_s": None}
+    if not ok:
+        return out
+    for c in ok[0]["stream"]:
+        out["stream"][c] = {}
+        for k in FIGURES:
+            vals = [r["stream"][c][k] for r in ok if r["stream"][c].get(k) is not None]
+            if vals:
+                out["stream"][c][k] = {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3),
+                                       "max": round(max(vals), 3)}
+    vals = [r["non_stream_c16"]["tok_s"] for r in ok]
+    out["non_stream_c16_tok_s"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def markdown(res: dict, a: str, b: str) -> str:
+    sa, sb = res["summary"][a], res["summary"][b]
+    lines = [f"# {b} vs {a}: {res['rounds']} alternating rounds — {res['date']}", "",
+             f"Machine: {res['machine']['cores']} cores, {res['machine']['cpu']}. Prompts {res['params']['input_len']}"
+             f" tokens, {res['params']['output_len']} output tokens (ignore_eos). Median of the rounds, "
+             "[min – max] beside it.", "",
+             f"| figure | {a} | {b} | ratio ({b} / {a}) |", "|---|---|---|---|"]
+
+    def cell(s):
+        return f"{s['median']:g} [{s['min']:g} – {s['max']:g}]" if s else "-"
+
+    for c in sa["stream"]:
+        for k, label in (("output_throughput", "stream tok/s"), ("median_itl_ms", "ITL p50 ms"),
+                         ("median_ttft_ms", "TTFT p50 ms")):
+            x, y = sa["stream"][c].get(k), sb["stream"].get(c, {}).get(k)
+            ratio = f"{y['median'] / x['median']:.2f}" if x and y and x["median"] else "-"
+            lines.append(f"| {label}, c={c} | {cell(x)} | {cell(y)} | {ratio} |")
+    x, y = sa["non_stream_c16_tok_s"], sb["non_stream_c16_tok_s"]
+    ratio = f"{y['median'] / x['median']:.2f}" if x and y and x["median"] else "-"
+    lines.append(f"| non-stream tok/s, c=16 | {cell(x)} | {cell(y)} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.rounds", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prompts", type=int, default=64, help="requests per streaming cell (at least 2 × c)")
+    ap.add_argument("--non-stream-requests", type=int, default=96)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--only", choices=["servectl"], help="A/B two servectl settings instead of vllm serve")
+    ap.add_argument("--env-a", action="append", default=[], metavar="K=V", help="model env of servectl A (--only)")
+    ap.add_argument("--env-b", action="append", default=[], metavar="K=V", help="model env of servectl B")
+    ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--tag", default="rounds")
+    p = ap.parse_args(argv)
+    concurrency = [int(c) for c in p.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="servectl-rounds-"))
+    standby = not p.no_standby
+
+    if p.only:
+        a, b = "servectl A", "servectl B"
+
+        def make(name):
+            env = parse_env(p.env_a if name == a else p.env_b)
+            return Servectl(work, env=env, label=name.replace(" ", "-"), warm_standby=standby)
+    else:
+        a, b = "vllm serve", "servectl"
+
+        def make(name):
+            return VllmServe(work) if name == a else Servectl(work, env=parse_env(p.env_b), warm_standby=standby)
+
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rounds": p.rounds,
+                 "params": {"concurrency": concurrency, "prompts": p.prompts, "input_len": p.input_len,
+                            "output_len": p.output_len, "non_stream_requests": p.non_stream_requests,
+                            "env_a": p.env_a, "env_b": p.env_b, "warm_standby": standby},
+                 "raw": {a: [], b: []}}
+    for i in range(p.rounds):
+        for name in (a, b):
+            print(f"== round {i + 1}/{p.rounds}: {name}", flush=True)
+            r = one_round(make(name), concurrency, p, work)
+            res["raw"][name].append(r)
+            print(json.dumps(r), flush=True)
+    res["summary"] = {name: summarize(res["raw"][name]) for name in (a, b)}
+    p.out.mkdir(parents=True, exist_ok=True)
+    stem = p.out / f"{time.strftime('%Y-%m-%d')}-{p.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    md = markdown(res, a, b)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    return 0 if all(res["summary"][n]["rounds"] == p.rounds for n in (a, b)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
