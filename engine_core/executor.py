@@ -104,3 +104,28 @@ class ZmqExecutor(Executor):
     def shutdown(self) -> None:
         # Workers are the manager's children: it stops them.
         return
+
+
+def honour_async_scheduling_on_cpu() -> None:
+    """Keep an operator's explicit ``async_scheduling = true`` on a CPU host.
+
+    vLLM's CPU platform turns async scheduling off for every engine ("not
+    required on CPU"). With this executor it works there too (vLLM's CPU
+    worker makes the device copies no-ops; the outputs equal the synchronous
+    path's, tests/test_async_scheduling.py) and overlaps the engine's
+    scheduling and output processing with the worker's step. Only an explicit
+    request turns it on: CPU engines run synchronously by default.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    forced = platform.check_and_update_config.__func__
+
+    def keep_the_decision(cls, vllm_config) -> None:
+        decided = vllm_config.scheduler_config.async_scheduling
+        forced(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = decided
+
+    platform.check_and_update_config = classmethod(keep_the_decision)

@@ -1,18 +1,17 @@
 """Issue 13: vLLM's async scheduling through the ZeroMQ executor, with the real engine on CPU.
 
 On CPU vLLM turns async scheduling off for every executor
-(``CpuPlatform.check_and_update_config``). The engine factory below
-(``make_engine``, through the engine-factory hook) keeps the decision vLLM
-made before that override, as a GPU platform would: with ``ZmqExecutor``
-saying it supports async scheduling, vLLM turns it on by default, builds its
+(``CpuPlatform.check_and_update_config``). An explicit
+``engine_args.async_scheduling = true`` is honoured there by servectl
+(``engine_core.executor.honour_async_scheduling_on_cpu``), as a GPU platform
+would decide: with ``ZmqExecutor`` saying it supports async scheduling, vLLM builds its
 ``AsyncScheduler`` and a batch queue of ``max_concurrent_batches`` = 2, and the
 CPU model runner returns vLLM's ``AsyncGPUModelRunnerOutput`` (the CPU worker
 replaces CUDA streams and events with no-op placeholders, so it runs). So
 this is the GPU code path end to end: engine core, executor futures, worker
 output thread; only the device-side overlap is missing.
 
-Two models of one daemon, both built by the factory: "async" (the default
-decision: on) and "sync" (``engine_args.async_scheduling = false``: off, the
+Two models of one daemon: "async" (``async_scheduling = true``) and "sync" (``engine_args.async_scheduling = false``: off, the
 synchronous path). The same prompts at temperature 0 must give the same
 tokens; the async engine must report overlapped steps; after an abandoned
 stream its batch queue drains and the workers freeze.
@@ -26,44 +25,22 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import ROOT, Daemon, http, wait_for
+from conftest import Daemon, http, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
 from servectl.wire import engine as EP
 
 ENGINE_ARGS = 'enforce_eager = true\nkv_cache_memory_bytes = 134217728\nmax_model_len = 512\ndtype = "float32"\n'
-FACTORY_ENV = (f'[models.env]\nSERVECTL_ENGINE_FACTORY = "test_async_scheduling:make_engine"\n'
-               f'PYTHONPATH = "{ROOT / "tests"}"\n')
-
-
-def make_engine(spec):
-    """SERVECTL_ENGINE_FACTORY: LLMEngine with ZmqExecutor as engine_core builds it, on a CPU that
-    keeps vLLM's async-scheduling decision instead of forcing it off."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from engine_core import executor as ex
-
-    cpu_update = CpuPlatform.check_and_update_config.__func__
-
-    def keep_async_decision(cls, vllm_config):
-        decided = vllm_config.scheduler_config.async_scheduling
-        cpu_update(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = decided
-
-    CpuPlatform.check_and_update_config = classmethod(keep_async_decision)
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=spec.model.model, tensor_parallel_size=spec.model.tensor_parallel_size,
-        distributed_executor_backend=ex.ZmqExecutor, **spec.model.engine_args))
+# An explicit `async_scheduling = true` is honoured on CPU too (vLLM's CPU platform forces it off).
+ASYNC_ON = "async_scheduling = true\n"
 
 
 @pytest.fixture(scope="module")
 def pair_daemon(tmp_path_factory):
     config = (f'[manager]\nwarm_standby = false\nfreeze_grace_s = 1.0\n'
               f'[[models]]\nname = "sync"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
-              f'async_scheduling = false\n{FACTORY_ENV}'
+              f'async_scheduling = false\n'
               f'[[models]]\nname = "async"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
-              f'{FACTORY_ENV}')
+              f'{ASYNC_ON}')
     d = Daemon(tmp_path_factory.mktemp("async"), config=config)
     try:
         d.start()
