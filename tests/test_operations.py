@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from conftest import ROOT, SERVECTL, Daemon, wait_for
+from conftest import ROOT, SERVECTL, http, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
 
 
@@ -64,15 +61,18 @@ def test_example_config_is_valid(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_start_with_bad_config_starts_nothing(tmp_path):
-    d = Daemon(tmp_path, config="[gateway]\nport = -1\n")
-    proc = d.cli("start", "--config", str(d.config_path))
+@pytest.mark.unit  # the CLI refuses the file: no daemon, no vLLM
+def test_start_with_bad_config_starts_nothing(daemon_factory):
+    d = daemon_factory("[gateway]\nport = -1\n", start=False)
+    proc = d.start(expect_ok=False)
     assert proc.returncode == 2 and "gateway.port" in " ".join(proc.stderr.split())
     assert not (d.runtime_dir / "control").exists()
+    assert d.leftovers() == []
 
 
-def test_commands_say_plainly_when_not_running(tmp_path):
-    d = Daemon(tmp_path)
+@pytest.mark.unit  # CLI processes only
+def test_commands_say_plainly_when_not_running(daemon_factory):
+    d = daemon_factory(start=False)
     for args in (["status"], ["restart"], ["reload"], ["unload", "x"]):
         proc = d.cli(*args)
         assert proc.returncode == 3, (args, proc.stdout, proc.stderr)
@@ -93,23 +93,27 @@ def test_systemd_unit_verifies(tmp_path):
     path = tmp_path / "servectl.service"
     path.write_text(unit)
     proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
-    problems = [line for line in proc.stderr.splitlines()
-                if "servectl.service" in line and "Unknown user" not in line and "Unknown group" not in line]
-    assert proc.returncode == 0 or not problems, proc.stderr
-    broken = unit.replace(servectl, "/nonexistent/servectl")
-    path.write_text(broken)
+    # This host may lack the unit's User=/Group= (servectl): that alone is not a problem of the unit.
+    host_only = [line for line in proc.stderr.splitlines() if "Unknown user" in line or "Unknown group" in line]
+    problems = [line for line in proc.stderr.splitlines() if "servectl.service" in line and line not in host_only]
+    assert problems == [], proc.stderr
+    if not host_only:
+        assert proc.returncode == 0, proc.stderr
+    # Positive control: verify does check the command.
+    path.write_text(unit.replace(servectl, "/nonexistent/servectl"))
     bad = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
-    assert bad.returncode != 0 or "nonexistent" in bad.stderr  # positive control: verify does check
+    assert bad.returncode != 0, bad.stderr
+    assert "/nonexistent/servectl" in bad.stderr
 
 
-def test_sd_notify_protocol(tmp_path):
+def test_sd_notify_protocol(tmp_path, daemon_factory):
+    d = daemon_factory(start=False)
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))
     sock.settimeout(1.0)
-    env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"}
-    rt = tmp_path / "rt"
-    proc = subprocess.Popen([*SERVECTL, "start", "--foreground", "--runtime-dir", str(rt), "--port", "0"],
+    env = {**d.env, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"}
+    proc = subprocess.Popen([*SERVECTL, "start", "--foreground", "--runtime-dir", str(d.runtime_dir), "--port", "0"],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env["WATCHDOG_PID"] = str(proc.pid)
     messages: list[str] = []
@@ -127,6 +131,7 @@ def test_sd_notify_protocol(tmp_path):
 
     try:
         until("READY=1", 300)
+        assert d.attach() and d.manager_pid == proc.pid  # the foreground CLI became the manager
         assert any(m.startswith("STATUS=") for m in messages)
         assert any("WATCHDOG=1" in m for m in messages)
         messages.clear()
@@ -140,77 +145,80 @@ def test_sd_notify_protocol(tmp_path):
         proc.send_signal(signal.SIGTERM)
         until("STOPPING=1", 30)
         assert proc.wait(120) == 0  # the foreground manager exits 0 after a clean stop
+        wait_for(lambda: not d.leftovers(), 60, what="the tree to exit with the manager")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         sock.close()
-        subprocess.run(["pkill", "-KILL", "-f", str(rt)], capture_output=True)
-
-
-def get(d: Daemon, path: str, key: str | None = None):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(f"{d.base_url}{path}", headers=headers), timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+        if proc.poll() is None:  # failed before the stop: kill the tree, by its pids
+            d.kill_all()
+            proc.wait()
 
 
 MODEL = f'name = "{{name}}"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
 
 
-def test_several_models_load_unload_reload(tmp_path):
+def status_of(d, path: str, key: str | None) -> int:
+    return http(d, "GET", path, key=key, timeout=30).status
+
+
+def test_several_models_load_unload_reload(tmp_path, daemon_factory):
     keyfile = tmp_path / "keys"
     keyfile.write_text("sk-ops\n")
     one = "[[models]]\n" + MODEL.format(name="one")
     two = "[[models]]\n" + MODEL.format(name="two")
-    d = Daemon(tmp_path, config=one + two, args=["--api-key-file", str(keyfile)], api_key="sk-ops")
-    d.start()
-    try:
-        api = d.openai()
-        assert sorted(m.id for m in api.models.list().data) == ["one", "two"]
-        for name in ("one", "two"):
-            assert api.completions.create(model=name, prompt="x", max_tokens=2).choices
-        before = {c.component: c.pid for c in d.status().children}
+    d = daemon_factory(one + two, args=["--api-key-file", str(keyfile)], api_key="sk-ops")
+    api = d.openai()
+    assert sorted(m.id for m in api.models.list().data) == ["one", "two"]
+    for name in ("one", "two"):
+        assert api.completions.create(model=name, prompt="x", max_tokens=2).choices
+    before = {c.component: c.pid for c in d.status().children}
 
-        # load / unload at runtime
-        proc = d.cli("load", "extra", "--model", str(DEFAULT_MODEL_DIR))
-        assert proc.returncode == 0, proc.stderr
-        wait_for(lambda: any(m.name == "extra" and m.state == "ready" for m in d.status().models), 300,
-                 interval=1, what="extra ready")
-        assert api.completions.create(model="extra", prompt="x", max_tokens=2).choices
-        assert d.cli("unload", "extra").returncode == 0
-        wait_for(lambda: all(m.name != "extra" for m in d.status().models), 120, what="extra gone")
-        assert get(d, "/v1/models/extra", "sk-ops") == 404
-        now = {c.component: c.pid for c in d.status().children}
-        assert all(now[k] == v for k, v in before.items()), "load/unload touched other processes"
+    # load / unload at runtime
+    proc = d.cli("load", "extra", "--model", str(DEFAULT_MODEL_DIR))
+    assert proc.returncode == 0, proc.stderr
+    wait_for(lambda: any(m.name == "extra" and m.state == "ready" for m in d.status().models), 300,
+             interval=1, what="extra ready")
+    assert api.completions.create(model="extra", prompt="x", max_tokens=2).choices
+    assert d.cli("unload", "extra").returncode == 0
+    wait_for(lambda: all(m.name != "extra" for m in d.status().models), 120, what="extra gone")
+    assert status_of(d, "/v1/models/extra", "sk-ops") == 404
+    now = {c.component: c.pid for c in d.status().children}
+    assert all(now[k] == v for k, v in before.items()), "load/unload touched other processes"
 
-        # reload: change one, drop two, add three, change the gateway section
-        changed = "[[models]]\n" + MODEL.format(name="one") + "[models.engine_args]\nmax_num_seqs = 8\n"
-        three = "[[models]]\n" + MODEL.format(name="three")
-        d.config_path.write_text("[gateway]\nprocesses = 2\n" + changed + three)
-        proc = d.cli("reload")
-        assert proc.returncode == 0, proc.stderr
-        wait_for(lambda: {m.name: m.state for m in d.status().models} == {"one": "ready", "three": "ready"}
-                 and sum(1 for c in d.status().children if c.kind == "gateway" and c.state == "ready") == 2,
-                 300, interval=1, what="the reload to settle")
-        after = {c.component: c.pid for c in d.status().children}
-        assert after["engine_core:one"] != before["engine_core:one"]  # changed: restarted
-        assert "engine_core:two" not in after
-        assert after["gateway:0"] != before["gateway:0"]  # gateway section changed
-        assert api.completions.create(model="three", prompt="x", max_tokens=2).choices
-        # The start option (--api-key-file) is still in force after the reload.
-        assert get(d, "/v1/models") == 401 and get(d, "/v1/models", "sk-ops") == 200
+    # reload: change one, drop two, add three, change the gateway section.
+    changed = "[[models]]\n" + MODEL.format(name="one") + "[models.engine_args]\nmax_num_seqs = 8\n"
+    three = "[[models]]\n" + MODEL.format(name="three")
+    d.config_path.write_text("[gateway]\nprocesses = 2\n" + changed + three)
+    proc = d.cli("reload")
+    assert proc.returncode == 0, proc.stderr
+    # `servectl reload` answers once the reload is applied: two is gone, one
+    # restarted, three started, gateway 0 replaced (its successor is ready).
+    st = d.status()
+    applied = {c.component: c.pid for c in st.children}
+    assert sorted(m.name for m in st.models) == ["one", "three"]
+    assert not any(c.model == "two" for c in st.children), applied
+    assert applied["engine_core:one"] != before["engine_core:one"]  # changed: restarted
+    assert "engine_core:three" in applied
+    assert applied["gateway:0"] != before["gateway:0"]  # the gateway section changed
+    assert d.child("gateway:0").state == "ready"
+    assert "gateway:1" in applied
+    # Loading the models takes its time.
+    wait_for(lambda: {m.name: m.state for m in d.status().models} == {"one": "ready", "three": "ready"}
+             and {c.component: c.state for c in d.status().children if c.kind == "gateway"}
+             == {"gateway:0": "ready", "gateway:1": "ready"},
+             300, interval=1, what="the reloaded models and gateways ready")
+    assert d.child("engine_core:one").pid == applied["engine_core:one"]  # restarted once, by the reload
+    assert api.completions.create(model="three", prompt="x", max_tokens=2).choices
+    # The start option (--api-key-file) is still in force after the reload.
+    assert status_of(d, "/v1/models", None) == 401
+    assert status_of(d, "/v1/models", "sk-ops") == 200
 
-        # reload with nothing changed touches nothing
-        steady = {c.component: c.pid for c in d.status().children}
-        assert d.cli("reload").returncode == 0
-        time.sleep(2)
-        assert {c.component: c.pid for c in d.status().children} == steady
-    finally:
-        d.stop()
-        d.kill_all()
+    # A reload with nothing changed touches nothing (it has been applied when the command returns).
+    steady = {c.component: c.pid for c in d.status().children}
+    proc = d.cli("reload")
+    assert proc.returncode == 0, proc.stderr
+    assert "added -; removed -; changed -; gateway unchanged" in proc.stdout, proc.stdout
+    assert {c.component: c.pid for c in d.status().children} == steady
+    assert {m.name: m.state for m in d.status().models} == {"one": "ready", "three": "ready"}
 
 
 def test_logs_command(daemon):
