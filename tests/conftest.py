@@ -116,8 +116,9 @@ class Daemon:
         self.args = args or []
         # Every process this daemon's CLI starts inherits the mark, so a tree is
         # found in /proc even before (or without) the manager telling its instance.
-        self.mark = f"{TEST_MARK_ENV}={secrets.token_hex(8)}"
-        self.env = {**os.environ, **(env or {}), TEST_MARK_ENV: self.mark.split("=", 1)[1]}
+        token = secrets.token_hex(8)
+        self.mark = f"{TEST_MARK_ENV}={token}".encode()  # as it appears in /proc/<pid>/environ
+        self.env = {**os.environ, **(env or {}), TEST_MARK_ENV: token}
         self.instance = None
         self.instances: list[str] = []  # every tree this daemon had (a restart after a kill is a new one)
         self.port = None
@@ -190,9 +191,8 @@ class Daemon:
 
     def leftovers(self) -> list[int]:
         """Every live process of every tree this daemon had, and any carrying its mark."""
-        mark = self.mark.encode()
         pids = {pid for inst in self.instances for pid in processes_of_instance(inst)}
-        pids.update(pid for pid in all_pids() if pid != os.getpid() and mark in environ_of(pid)
+        pids.update(pid for pid in all_pids() if pid != os.getpid() and self.mark in environ_of(pid)
                     and not is_zombie(pid))
         return sorted(pids)
 
