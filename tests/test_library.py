@@ -129,7 +129,7 @@ def test_server_from_a_thread_survives_the_thread_and_dies_with_the_script(tmp_p
         print("INSTANCE", srv.status().instance, flush=True)
         print("SERVING", flush=True)
         srv.generate("def ", max_tokens=480, ignore_eos=True)  # in flight when we are killed
-        time.sleep(600)
+        time.sleep(600)  # until the test SIGKILLs this script
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV, cwd=tmp_path)
