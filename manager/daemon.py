@@ -227,9 +227,7 @@ class Manager:
         await group.stop(self.settings.stop_grace_s)
         del self.groups[name]
         self.standbys.forget_model(name)
-        self.publish(P.Event(component=model_component(name), kind=MODEL, model=name, state="removed", pid=None,
-                             time=time.time()))
-        self.check_settled()
+        group.remove()  # publishes `removed`: gateways drop the model
 
     async def replace_model(self, model: C.ModelConfig) -> None:
         """A changed configuration: drain and stop the old group, start a new one (cold: new interpreters)."""

@@ -57,11 +57,12 @@ class GroupState(StrEnum):
     EXITED = "exited"  # a member died; the others are being killed
     BACKOFF = "backoff"  # all gone; a restart is scheduled
     FAILED = "failed"  # crash loop: stays until an operator's restart
+    REMOVED = "removed"  # unloaded, or replaced by a reload: the group is gone for good
 
 
 S = GroupState
 TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
-    S.STOPPED: frozenset({S.STARTING}),
+    S.STOPPED: frozenset({S.STARTING, S.REMOVED}),
     S.STARTING: frozenset({S.READY, S.EXITED, S.STOPPING}),
     S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED}),
     S.DRAINING: frozenset({S.STOPPING, S.EXITED}),
@@ -69,12 +70,13 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
     S.FAILED: frozenset({S.STARTING, S.STOPPING}),
+    S.REMOVED: frozenset(),
 }
 # What the members' own states become when the group enters a state (None: leave them).
 MEMBER_STATE: dict[GroupState, ChildState | None] = {
     S.STOPPED: ChildState.STOPPED, S.STARTING: ChildState.STARTING, S.READY: ChildState.READY,
     S.DRAINING: None, S.STOPPING: ChildState.STOPPING, S.EXITED: None, S.BACKOFF: ChildState.BACKOFF,
-    S.FAILED: ChildState.FAILED,
+    S.FAILED: ChildState.FAILED, S.REMOVED: None,
 }
 
 
@@ -278,6 +280,10 @@ class EngineGroup:
         if alive or leaving:
             await self.host.wait_exit(alive + leaving, grace_s)
         self._enter(S.STOPPED)
+
+    def remove(self) -> None:
+        """The last word on a stopped group: its model is no longer served."""
+        self._enter(S.REMOVED)
 
     async def restart(self, drain_timeout_s: float, grace_s: float) -> None:
         await self.drain(drain_timeout_s)

@@ -89,10 +89,11 @@ def group_in(tmp_path, state: GroupState, tp: int = 1, **settings) -> tuple[Engi
 def test_transition_table_is_closed_and_every_state_can_be_left():
     assert set(TRANSITIONS) == set(GroupState)
     for state, targets in TRANSITIONS.items():
-        assert targets, state
+        assert targets or state is S.REMOVED, state
         assert targets <= set(GroupState)
     # The one way out of failed, stopped and backoff is a (re)start or a stop.
     assert TRANSITIONS[S.FAILED] == {S.STARTING, S.STOPPING}
+    assert TRANSITIONS[S.REMOVED] == frozenset()  # terminal
     assert TRANSITIONS[S.STOPPING] == {S.STOPPED}
 
 
@@ -263,3 +264,13 @@ def test_the_operators_thread_count_wins(tmp_path):
     engine_env, worker_env = group.member_envs()
     assert worker_env["OMP_NUM_THREADS"] == "3"
     assert "VLLM_OMP_NUM_THREADS_SET_BY_VLLM" not in worker_env
+
+
+def test_a_removed_group_publishes_removed_and_can_never_start_again(tmp_path):
+    group, host = group_in(tmp_path, S.STOPPED)
+    group.remove()
+    assert host.published == ["removed"]
+    with pytest.raises(BadTransition):
+        group._enter(S.STARTING)
+    group.start()  # refused quietly: only stopped, backoff or failed groups start
+    assert group.state is S.REMOVED
