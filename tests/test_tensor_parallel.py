@@ -7,20 +7,13 @@ import signal
 
 import pytest
 
-from conftest import Daemon, read_stat, wait_for
+from conftest import DaemonFactory, read_stat, wait_for
 
 
 @pytest.fixture(scope="module")
 def tp_daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("tp2"), args=["--tp", "2"])
-    try:
-        d.start()
-        yield d
-    finally:
-        d.stop()
-        leftover = d.tree()
-        d.kill_all()
-        assert not leftover
+    with DaemonFactory(tmp_path_factory, "tp2") as make:
+        yield make(args=["--tp", "2"])
 
 
 def test_tp2_serves_with_two_manager_owned_workers(tp_daemon, daemon):
