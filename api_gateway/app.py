@@ -34,7 +34,7 @@ from api_gateway.translate import chat_messages, generate_messages, normalize_pr
 from servectl import __version__
 from servectl.paths import RuntimePaths
 from servectl.wire import engine as EP
-from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity
+from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity, read_spec_fd
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
@@ -65,7 +65,13 @@ class Gateway:
         self.idle = asyncio.Event()
         self.idle.set()
         self.keys = [k.encode() for k in self.cfg.api_keys]
+        self.manager.on_api_keys = self.set_api_keys
         self.created = int(time.time())
+
+    def set_api_keys(self, keys: list[str]) -> None:
+        """A reload rotated the keys: from the next request on, only these are accepted."""
+        self.keys = [k.encode() for k in keys]
+        log.info("API keys replaced (%d key(s))", len(keys))
 
     def new_request_id(self) -> str:
         # Unique across gateway processes: index, pid, random salt, counter.
@@ -280,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     from servectl.proc import die_with_parent, setup_child_logging
 
     ap = argparse.ArgumentParser(prog="python -m api_gateway")
-    ap.add_argument("--spec", required=True)
+    ap.add_argument("--spec-fd", type=int, required=True, help="a memfd holding the GatewaySpec as JSON")
     ap.add_argument("--listen-fd", type=int, required=True)
     args = ap.parse_args(argv)
     die_with_parent()
-    spec = msgspec.json.decode(args.spec, type=GatewaySpec)
+    spec = read_spec_fd(args.spec_fd, GatewaySpec)
     setup_child_logging(f"gateway[{spec.index}]")
     import uvloop
 

@@ -3,12 +3,14 @@
 Events (SUB) say which models exist and what state each is in; they drive the
 gateway's ``EngineLink``s, which this module creates and drops as models are
 loaded and unloaded. The control socket (DEALER) carries the gateway's own
-messages to the manager: its readiness, and a model that looks hung.
+messages to the manager: its readiness, and a model that looks hung; the
+manager sends it new API keys there when a reload rotates them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import zmq
@@ -37,6 +39,8 @@ class ManagerLink:
         self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
         self.sub: zmq.asyncio.Socket | None = None
         self.control: zmq.asyncio.Socket | None = None
+        self.component = ""  # ours in the manager's words (set by send_ready)
+        self.on_api_keys = lambda keys: None  # a reload rotated the API keys
 
     def _new_link(self, model: str) -> EngineLink:
         return EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode())
@@ -80,6 +84,10 @@ class ManagerLink:
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason)
+                    elif isinstance(reply, MP.ApiKeys):
+                        self.on_api_keys(reply.keys)
+                        await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
+                                                                                 pid=os.getpid())))
 
     def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`)."""
@@ -94,6 +102,7 @@ class ManagerLink:
         link.on_model_state(state, incarnation, reason)
 
     async def send_ready(self, component: str, pid: int) -> None:
+        self.component = component
         await self.control.send(MP.encoder.encode(MP.ChildReady(component=component, pid=pid)))
 
     def report_hang(self, link: EngineLink) -> None:

@@ -31,7 +31,7 @@ from servectl.wire import engine as P
 from engine_core.signing import Signer, read_key
 from engine_core.worker_group import engine_batch_queue
 from servectl.wire import control as MP
-from servectl.wire.spawn import EngineSpec, engine_component, engine_identity
+from servectl.wire.spawn import EngineSpec, engine_component, engine_identity, read_spec_fd
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 
@@ -336,7 +336,7 @@ class EngineServer:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_core")
-    ap.add_argument("--spec", help="EngineSpec as JSON (from the manager)")
+    ap.add_argument("--spec-fd", type=int, help="a memfd holding the EngineSpec as JSON (from the manager)")
     ap.add_argument("--key-fd", type=int)
     ap.add_argument("--worker-pidfds", default="")
     ap.add_argument("--check", action="store_true", help="validate engine arguments and exit")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.check:
         return check_engine_args(json.loads(args.engine_args or "{}"))
-    spec = msgspec.json.decode(args.spec, type=EngineSpec)
+    spec = read_spec_fd(args.spec_fd, EngineSpec)
     die_with_parent()
     setup_child_logging(f"engine_core[{spec.model.name}]")
     key = read_key(args.key_fd)

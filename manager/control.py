@@ -42,6 +42,7 @@ class ControlServer:
             P.GroupFrozen: self.on_group_frozen,
             P.GroupDrained: self.on_group_drained,
             P.GroupHung: self.on_group_hung,
+            P.KeysApplied: self.on_keys_applied,
             P.StatusRequest: self.on_status,
             P.WaitSettled: self.on_wait_settled,
             P.StopRequest: self.on_stop,
@@ -118,6 +119,11 @@ class ControlServer:
         group = self.manager.groups.get(msg.model)
         if group is not None and group.kill_hung(msg.incarnation):
             log.error("model %s: a gateway saw no output in time; the group is hung, restarting it", msg.model)
+
+    def on_keys_applied(self, ident: bytes, msg: P.KeysApplied) -> None:
+        name = parse_component(msg.component)
+        if name is not None and name.kind == GATEWAY:
+            self.manager.gateways.on_keys_applied(msg, name.index)
 
     # ---- from the CLI --------------------------------------------------------------------
     def on_status(self, ident: bytes, msg: P.StatusRequest) -> None:

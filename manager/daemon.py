@@ -162,6 +162,9 @@ class Manager:
         if group.engine.alive:
             self.control.send(engine_identity(group.name), msg)
 
+    def send_to_gateway(self, peer: str, msg: P.ControlOut) -> None:
+        self.control.send(peer.encode(), msg)
+
     def abort_peer_everywhere(self, peer: str) -> None:
         """A gateway died: every engine drops the requests it sent."""
         for group in self.groups.values():

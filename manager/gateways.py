@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -22,7 +23,7 @@ import msgspec
 from manager.children import Child, ChildState, RestartPolicy
 from servectl import config as C
 from servectl.wire import control as P
-from servectl.wire.spawn import GATEWAY, GatewaySpec, gateway_component, gateway_identity, log_file_name
+from servectl.wire.spawn import GATEWAY, GatewaySpec, gateway_component, gateway_identity, log_file_name, spec_fd
 
 log = logging.getLogger("manager")
 
@@ -37,6 +38,7 @@ class GatewayHost(Protocol):
     shutting_down: bool
 
     def served_models(self) -> list[str]: ...
+    def send_to_gateway(self, peer: str, msg: P.ControlOut) -> None: ...
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
     def watch(self, child: Child) -> None: ...
     def on_child_change(self, child: Child, detail: str) -> None: ...
@@ -57,6 +59,9 @@ class GatewayProcess:
         self.restart_timer: asyncio.TimerHandle | None = None
         self.peer = ""  # its identity on engines' sockets, for AbortPeer when it dies
         self.ready_waiters: list[asyncio.Future] = []
+        self.keys: list[str] = []  # the API keys it checks (its spec's, then what it confirmed)
+        self.keys_sent: list[str] | None = None  # sent, not yet confirmed
+        self.keys_waiters: list[asyncio.Future] = []
 
 
 class GatewayPool:
@@ -87,13 +92,19 @@ class GatewayPool:
     def start(self, gw: GatewayProcess) -> None:
         host = self.host
         gw.restart_timer = None
-        spec = msgspec.json.encode(GatewaySpec(
+        # The spec carries the API keys: a memfd the gateway inherits, never its argv.
+        spec = spec_fd(GatewaySpec(
             index=gw.index, runtime_dir=str(host.runtime_dir), instance=host.instance, gateway=host.gateway_cfg,
-            models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s)).decode()
+            models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s), "servectl-gateway-spec")
         fd = self.listen_sock.fileno()
         env = host.child_env({"PROMETHEUS_MULTIPROC_DIR": str(host.metrics_dir)})
-        gw.child.spawn([sys.executable, "-m", "api_gateway", "--spec", spec, "--listen-fd", str(fd)], env, (fd,))
+        try:
+            gw.child.spawn([sys.executable, "-m", "api_gateway", "--spec-fd", str(spec), "--listen-fd", str(fd)],
+                           env, (fd, spec))
+        finally:
+            os.close(spec)
         gw.peer = gateway_identity(gw.index, gw.child.pid)
+        gw.keys, gw.keys_sent = list(host.gateway_cfg.api_keys), None
         host.watch(gw.child)
 
     def on_ready(self, msg: P.ChildReady, index: int) -> None:
@@ -105,6 +116,38 @@ class GatewayPool:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(True)
+        self.send_keys(gw)  # keys rotated while it started: it is connected now
+
+    # ---- API keys: rotated in place, old ones refused at once -------------------------------
+    def send_keys(self, gw: GatewayProcess) -> asyncio.Future | None:
+        """Send a ready gateway the current keys if it checks others; the future resolves on its KeysApplied."""
+        keys = list(self.host.gateway_cfg.api_keys)
+        if gw.keys == keys or gw.child.state is not ChildState.READY:
+            return None  # up to date, or it will be sent on ready (a gateway starting now gets them in its spec)
+        fut = asyncio.get_running_loop().create_future()
+        gw.keys_waiters.append(fut)
+        gw.keys_sent = keys
+        self.host.send_to_gateway(gw.peer, P.ApiKeys(keys=keys))
+        return fut
+
+    def on_keys_applied(self, msg: P.KeysApplied, index: int) -> None:
+        if index >= len(self.members) or self.members[index].child.pid != msg.pid:
+            return
+        gw = self.members[index]
+        if gw.keys_sent is not None:
+            gw.keys, gw.keys_sent = gw.keys_sent, None
+        waiters, gw.keys_waiters = gw.keys_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(True)
+
+    async def rotate_keys(self, timeout_s: float = 10.0) -> None:
+        """Every running gateway checks the current keys before this returns (bounded)."""
+        sent = [fut for fut in (self.send_keys(gw) for gw in self.members) if fut is not None]
+        if sent:
+            _, late = await asyncio.wait(sent, timeout=timeout_s)
+            if late:
+                log.warning("%d gateway(s) did not confirm the new API keys within %.0fs", len(late), timeout_s)
 
     def on_exit(self, gw: GatewayProcess) -> None:
         # Its in-flight requests would otherwise run on in the engines.
@@ -141,10 +184,16 @@ class GatewayPool:
         host = self.host
         grace = host.settings.drain_timeout_s + host.settings.stop_grace_s
         old_sock = None
-        if (gateway.host, gateway.port) != (host.gateway_cfg.host, host.gateway_cfg.port):
+        old = host.gateway_cfg
+        if (gateway.host, gateway.port) != (old.host, old.port):
             old_sock = self.listen_sock
             self.bind(gateway)
         host.gateway_cfg = gateway
+        # New keys hold in every running gateway before anything else: the old
+        # ones are refused at once, not once each gateway's turn to restart comes.
+        await self.rotate_keys()
+        if msgspec.structs.replace(old, api_keys=gateway.api_keys, api_key_file=gateway.api_key_file) == gateway:
+            return  # only the keys changed: nothing to restart
         for gw in list(self.members):
             await self.stop(gw, grace)
             ready = asyncio.get_running_loop().create_future()

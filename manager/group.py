@@ -24,14 +24,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
-
 from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
 from servectl import config as C
 from servectl.wire import control as P
 from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
-                                 resolve_fd_args, worker_component)
+                                 resolve_fd_args, spec_fd, worker_component)
 
 log = logging.getLogger("manager")
 
@@ -178,15 +176,19 @@ class EngineGroup:
                          ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
                          [], key, worker_env)
         m = self.host.settings
-        spec = msgspec.json.encode(EngineSpec(
+        # The spec carries the model's env (tokens): a memfd, never the argv.
+        spec = spec_fd(EngineSpec(
             model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
             freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
-            worker_reply_timeout_s=m.worker_reply_timeout_s)).decode()
+            worker_reply_timeout_s=m.worker_reply_timeout_s), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
-        self._launch(self.engine, "engine_core",
-                     ["--spec", spec, "--key-fd", fd_ref(0),
-                      "--worker-pidfds", ",".join(fd_ref(i + 1) for i in range(len(pidfds)))],
-                     pidfds, key, engine_env)
+        try:
+            self._launch(self.engine, "engine_core",
+                         ["--key-fd", fd_ref(0), "--spec-fd", fd_ref(1),
+                          "--worker-pidfds", ",".join(fd_ref(i + 2) for i in range(len(pidfds)))],
+                         [spec, *pidfds], key, engine_env)
+        finally:
+            os.close(spec)
 
     def _launch(self, member: Child, module: str, args: list[str], extra_fds: list[int], key: bytes,
                 env: dict[str, str]) -> None:

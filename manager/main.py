@@ -8,11 +8,10 @@ import os
 import secrets
 from pathlib import Path
 
-import msgspec
-
 from manager.daemon import Manager
 from servectl import config as C
 from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, ensure_private_dir, resolve_runtime_dir
+from servectl.wire.spawn import ManagerSpec, read_spec_fd
 from servectl.proc import INSTANCE_ENV, become_subreaper, carries_instance, die_with_parent
 
 
@@ -33,10 +32,9 @@ def check_not_running(paths: RuntimePaths) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m manager")
-    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--spec-fd", type=int, required=True,
+                    help="a memfd holding the ManagerSpec (config, its path, start options) as JSON")
     ap.add_argument("--instance", default=None)
-    ap.add_argument("--config-path", default=None, help="the file to re-read on reload")
-    ap.add_argument("--overrides-json", default=None, help="start options re-applied on reload")
     ap.add_argument("--die-with-parent", action="store_true",
                     help="library mode: exit when the starting process dies")
     ap.add_argument("--parent-pipe-fd", type=int, default=None,
@@ -45,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from servectl.proc import setup_child_logging
 
     setup_child_logging("manager")
-    cfg = C.decode(args.config_json)
+    spec = read_spec_fd(args.spec_fd, ManagerSpec)
+    cfg = spec.config
     if args.die_with_parent:
         die_with_parent()
     root = resolve_runtime_dir(cfg.manager.runtime_dir)
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     import uvloop
 
-    overrides = msgspec.json.decode(args.overrides_json, type=C.Overrides) if args.overrides_json else None
-    manager = Manager(cfg, paths, instance, state_dir, args.config_path, overrides)
+    manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides)
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

@@ -96,18 +96,17 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
     if client.running():
         err.print(f"servectl is already running in {root}")
         sys.exit(1)
-    config_json = C.encode(cfg).decode()
-    # The manager re-reads the file on reload and re-applies these options.
-    extra = ["--overrides-json", msgspec.json.encode(overrides).decode()]
-    if found is not None:
-        extra += ["--config-path", str(Path(found).resolve())]
+    # The manager re-reads exactly this file on reload and re-applies these options.
+    config_path = Path(found).resolve() if found is not None else None
     if foreground:
-        from servectl.client import child_env, manager_command
+        from servectl.client import child_env, manager_command, manager_spec_fd
 
-        argv = manager_command(config_json, extra)
+        fd = manager_spec_fd(cfg, config_path, overrides)
+        os.set_inheritable(fd, True)
+        argv = manager_command(fd)
         os.execve(argv[0], argv, child_env())
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
-    proc = spawn_manager(config_json, state_dir / "logs" / "manager.log", extra)
+    proc = spawn_manager(cfg, state_dir / "logs" / "manager.log", config_path=config_path, overrides=overrides)
     console.print(f"servectl: manager pid {proc.pid}, runtime {root}")
 
     def show(ev: P.Event) -> None:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import zmq
 
-from servectl.wire import control as P
+from servectl import config as C
 from servectl.paths import RuntimePaths
+from servectl.wire import control as P
+from servectl.wire.spawn import ManagerSpec, spec_fd
 
 
 class NotRunning(Exception):
@@ -50,8 +52,16 @@ class ControlClient:
             return False
 
 
-def manager_command(config_json: str, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "manager", "--config-json", config_json, *(extra or [])]
+def manager_command(spec_fd: int, extra: list[str] | None = None) -> list[str]:
+    """``python -m manager`` reading its spec from ``spec_fd`` (see ``manager_spec_fd``): no secret on the argv."""
+    return [sys.executable, "-m", "manager", "--spec-fd", str(spec_fd), *(extra or [])]
+
+
+def manager_spec_fd(cfg: C.Config, config_path: str | os.PathLike | None = None,
+                    overrides: C.Overrides | None = None) -> int:
+    """The manager's spec (config with its API keys and model envs) in a sealed memfd; close it after the spawn."""
+    return spec_fd(ManagerSpec(config=cfg, config_path=str(config_path) if config_path else None,
+                               overrides=overrides), "servectl-manager-spec")
 
 
 def child_env() -> dict[str, str]:
@@ -64,13 +74,18 @@ def child_env() -> dict[str, str]:
     return with_package_path({**os.environ, INSTANCE_ENV: secrets.token_hex(8)})
 
 
-def spawn_manager(config_json: str, log_path: Path, extra: list[str] | None = None, detach: bool = True,
-                  pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+def spawn_manager(cfg: C.Config, log_path: Path, extra: list[str] | None = None, detach: bool = True,
+                  pass_fds: tuple[int, ...] = (), config_path: str | os.PathLike | None = None,
+                  overrides: C.Overrides | None = None) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(manager_command(config_json, extra), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=detach, env=child_env(),
-                                pass_fds=pass_fds, close_fds=True)
+    fd = manager_spec_fd(cfg, config_path, overrides)
+    try:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(manager_command(fd, extra), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=detach, env=child_env(),
+                                    pass_fds=(fd, *pass_fds), close_fds=True)
+    finally:
+        os.close(fd)
 
 
 def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: float, on_event=None):

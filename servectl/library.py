@@ -153,7 +153,7 @@ class Server(Connection):
             r, w = os.pipe()  # both ends non-inheritable; r is passed explicitly
             log = self.runtime_dir / "state" / "logs" / "manager.log"
             try:
-                self._proc = spawn_manager(C.encode(self.config).decode(), log,
+                self._proc = spawn_manager(self.config, log,
                                            extra=["--parent-pipe-fd", str(r)], detach=True, pass_fds=(r,))
             finally:
                 os.close(r)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servectl.config import NAME_PATTERN, GatewayConfig, ModelConfig
+from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
 from servectl.wire import control as CP
 from servectl.wire import engine as EP
 from servectl.wire import spawn as SP
@@ -39,6 +39,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.GroupFrozen: [CP.GroupFrozen(model="m.1", frozen=True), CP.GroupFrozen(model="m.1", frozen=False)],
     CP.GroupDrained: [CP.GroupDrained(model="m.1", incarnation="abc")],
     CP.GroupHung: [CP.GroupHung(model="m.1", incarnation="abc")],
+    CP.KeysApplied: [CP.KeysApplied(component="gateway:1", pid=77)],
     CP.StatusRequest: [CP.StatusRequest()],
     CP.WaitSettled: [CP.WaitSettled()],
     CP.StopRequest: [CP.StopRequest(), CP.StopRequest(timeout_s=2.5)],
@@ -56,6 +57,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
                                                            incarnation="abc")])],
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True)],
+    CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"]), CP.ApiKeys(keys=[])],
     # control: manager → engine
     CP.AbortPeer: [CP.AbortPeer(peer="gw-0-123")],
     CP.FreezingControl: [CP.FreezingControl(enabled=True, grace_s=2.0), CP.FreezingControl(enabled=False)],
@@ -92,7 +94,11 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
                                     drain_timeout_s=5.0)],
-    SP.Role: [SP.Role(module="engine_core", argv=["--spec", "{}", "--key-fd", "@fd0"]),
+    SP.ManagerSpec: [SP.ManagerSpec(config=Config(gateway=GatewayConfig(api_keys=["k"]), models=[MODEL]),
+                                    config_path="/etc/servectl/servectl.toml",
+                                    overrides=Overrides(port=0, engine_args={"x": 1})),
+                     SP.ManagerSpec(config=Config())],
+    SP.Role: [SP.Role(module="engine_core", argv=["--key-fd", "@fd0", "--spec-fd", "@fd1"]),
               SP.Role(module="engine_core.worker", argv=[])],
 }
 
@@ -169,11 +175,29 @@ def test_untagged_messages_round_trip(cls):
         assert all(CP.event_decoder.decode(CP.encoder.encode(m)) == m for m in SAMPLES[cls])
 
 
-@pytest.mark.parametrize("cls", [SP.EngineSpec, SP.GatewaySpec, SP.Role])
+@pytest.mark.parametrize("cls", [SP.ManagerSpec, SP.EngineSpec, SP.GatewaySpec, SP.Role])
 def test_spawn_specs_round_trip_as_json(cls):
     for msg in SAMPLES[cls]:
-        text = msgspec.json.encode(msg).decode()  # what goes on argv or over the channel
+        text = msgspec.json.encode(msg).decode()  # what goes in the spec memfd or over the channel
         assert msgspec.json.decode(text, type=cls) == msg
+
+
+@pytest.mark.parametrize("cls", [SP.ManagerSpec, SP.EngineSpec, SP.GatewaySpec])
+def test_specs_travel_in_a_sealed_memfd(cls):
+    """Specs carry API keys and model envs: in a memfd a child inherits, never on an argv."""
+    import errno
+    import os
+
+    for msg in SAMPLES[cls]:
+        fd = SP.spec_fd(msg)
+        os.lseek(fd, 3, os.SEEK_SET)  # a shared offset moved by someone else does not matter
+        with pytest.raises(OSError) as exc:
+            os.pwrite(fd, b"{}", 0)  # sealed: nobody changes what the child reads
+        assert exc.value.errno == errno.EPERM
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        assert SP.read_spec_fd(fd, cls) == msg
+        with pytest.raises(OSError):
+            os.fstat(fd)  # read_spec_fd closed it
 
 
 def test_a_role_names_only_the_two_modules_a_standby_can_become():

@@ -49,6 +49,13 @@ class GroupHung(_Msg, tag="group_hung"):
     incarnation: str
 
 
+class KeysApplied(_Msg, tag="keys_applied"):
+    """A gateway now checks requests against the API keys the manager last sent it (``ApiKeys``)."""
+
+    component: str
+    pid: int
+
+
 # ---- clients → manager ---------------------------------------------------
 
 class StatusRequest(_Msg, tag="status"):
@@ -86,8 +93,8 @@ class UnloadModel(_Msg, tag="unload"):
     name: str
 
 
-ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, StatusRequest, WaitSettled, StopRequest, RestartRequest,
-                  SetFreezing, ReloadRequest, LoadModel, UnloadModel]
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, KeysApplied, StatusRequest, WaitSettled,
+                  StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel, UnloadModel]
 
 
 # ---- manager → clients ---------------------------------------------------
@@ -132,7 +139,15 @@ class Ack(_Msg, tag="ack"):
     message: str = ""
 
 
-ControlOut = Union[StatusReply, Ack]
+class ApiKeys(_Msg, tag="api_keys"):
+    """Manager → gateway: the API keys from now on (a reload rotated them); old ones are refused at once.
+
+    Sent only on the control socket, which only the daemon's own user can reach."""
+
+    keys: list[str]
+
+
+ControlOut = Union[StatusReply, Ack, ApiKeys]
 
 
 # ---- manager → engine (over the control socket) ---------------------------

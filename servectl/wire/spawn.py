@@ -1,5 +1,12 @@
 """What the manager hands a child at exec, and the names of the tree's parts.
 
+Specs (``ManagerSpec``, ``EngineSpec``, ``GatewaySpec``) hold secrets (API
+keys, a model's ``env``), so they never go on a command line, which every
+user of the host can read in ``/proc/<pid>/cmdline``: each is JSON in a
+sealed memfd (``spec_fd``) whose descriptor the child inherits
+(``pass_fds``, or ``SCM_RIGHTS`` for a warm standby) and reads once
+(``read_spec_fd``). Only the descriptor's number is on the argv.
+
 Names are built and parsed here only: ``engine_core:<model>``,
 ``worker:<model>:<rank>``, ``gateway:<index>``, ``standby:<member>`` and
 ``model:<name>`` (components in status and events), ``engine:<model>`` and
@@ -9,19 +16,29 @@ Names are built and parsed here only: ``engine_core:<model>``,
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
-from servectl.config import NAME_PATTERN, GatewayConfig, ModelConfig
+from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
 
 ENGINE, WORKER, GATEWAY, STANDBY, MODEL = "engine_core", "worker", "gateway", "standby", "model"
 
 
+class ManagerSpec(msgspec.Struct, kw_only=True):
+    """What `servectl start` (or ``Server``) tells ``python -m manager`` (JSON in a memfd: ``--spec-fd``)."""
+
+    config: Config  # the effective configuration
+    config_path: str | None = None  # the absolute path it was read from: what `reload` re-reads
+    overrides: Overrides | None = None  # start options, re-applied on reload
+
+
 class EngineSpec(msgspec.Struct, kw_only=True):
-    """Everything the manager tells an engine at exec (JSON on its argv)."""
+    """Everything the manager tells an engine at exec (JSON in a memfd: ``--spec-fd``)."""
 
     model: ModelConfig
     runtime_dir: str
@@ -32,7 +49,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
 
 
 class GatewaySpec(msgspec.Struct, kw_only=True):
-    """Everything the manager tells a gateway at exec (JSON on its argv)."""
+    """Everything the manager tells a gateway at exec (JSON in a memfd: ``--spec-fd``)."""
 
     index: int
     runtime_dir: str
@@ -51,6 +68,44 @@ class Role(msgspec.Struct, kw_only=True):
 
     module: Literal["engine_core", "engine_core.worker"]
     argv: list[str]
+
+
+def spec_fd(spec: msgspec.Struct, name: str = "servectl-spec") -> int:
+    """A sealed memfd holding ``spec`` as JSON, for a child to inherit; the caller closes it after the spawn.
+
+    Not a command-line argument (world-readable) and not a file with a name:
+    only a process holding the descriptor, or one allowed to ptrace its holder,
+    can read it.
+    """
+    data = msgspec.json.encode(spec)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        # Nobody (the child included) can change what the next reader gets.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW |
+                    fcntl.F_SEAL_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_spec_fd(fd: int, typ: type):
+    """Decode the spec in an inherited memfd (see ``spec_fd``), then close it."""
+    try:
+        size = os.fstat(fd).st_size
+        chunks, offset = [], 0
+        while offset < size:
+            chunk = os.pread(fd, size - offset, offset)  # the offset may be shared: never read()
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    return msgspec.json.decode(b"".join(chunks), type=typ)
 
 
 def fd_ref(n: int) -> str:
