@@ -1,21 +1,35 @@
-"""The manager's control socket: one handler per message (circus's one command per handler).
+"""The manager's control sockets: one handler per message (circus's one command per handler).
 
-Children (``ChildReady``, ``GroupFrozen``, ``GroupDrained``, ``GroupHung``)
-and the CLI (status, stop, restart, reload, load, unload, freezing) talk to
-the manager here. A frame that does not decode gets ``Ack(ok=False)``; a bug
-in one handler is logged and answered, never fatal to the supervisor.
+Two ROUTER sockets (docs/operations.md, "Who may do what"):
+
+- ``control`` (0600): the daemon's own user — its children (``ChildReady``,
+  ``GroupFrozen``, ``GroupDrained``, ``GroupHung``, ``KeysApplied``) and the
+  owner's CLI (status, stop, restart, reload, load, unload, freezing). Root
+  reaches it too. A peer of another uid (the kernel's ``SO_PEERCRED``, via
+  libzmq's ``Peer-Address``) is refused anyway.
+- ``control-ro`` (0660 in a group-shared runtime directory, else 0600):
+  status and wait-settled only; anything else is refused and audited. The
+  group never shares a socket with the children, so it cannot take over a
+  child's identity (``ROUTER_HANDOVER``) to read what the manager sends it.
+
+Every command that changes state is written to the audit log (manager/audit.py)
+with who sent it. A frame that does not decode gets ``Ack(ok=False)``; a bug in
+one handler is logged and answered, never fatal to the supervisor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import os
+import time
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_record, parse_peer_address
 from servectl import config as C
 from servectl.paths import RuntimePaths
 from servectl.wire import control as P
@@ -27,6 +41,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("manager")
 
 
+class Caller(NamedTuple):
+    """Where a request came from: the socket to answer on, the peer's identity there, who it is."""
+
+    sock: zmq.asyncio.Socket
+    ident: bytes
+    peer: Peer
+    via: str  # "control" or "control-ro"
+
+
+def peer_of(frame: zmq.Frame) -> Peer:
+    try:
+        return parse_peer_address(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return UNKNOWN
+
+
 class ControlServer:
     def __init__(self, manager: "Manager", ctx: zmq.asyncio.Context):
         self.manager = manager
@@ -36,7 +66,12 @@ class ControlServer:
         # connection is not torn down yet, the new one must take the name over
         # (otherwise AbortPeer and Drain would go nowhere). See engine_core.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.settled_waiters: list[bytes] = []
+        # The group's socket: no handover (its peers' names are theirs alone).
+        self.ro = ctx.socket(zmq.ROUTER)
+        self.ro.setsockopt(zmq.LINGER, 0)
+        self.owners = {os.geteuid(), 0}
+        self.audit = AuditLog(manager.state_dir / "audit.log")
+        self.settled_waiters: list[Caller] = []
         self.handlers = {
             P.ChildReady: self.on_child_ready,
             P.GroupFrozen: self.on_group_frozen,
@@ -53,47 +88,78 @@ class ControlServer:
             P.SetFreezing: self.on_set_freezing,
         }
 
-    def bind(self, path) -> None:
-        self.sock.bind(RuntimePaths.ipc(path))
+    def bind(self, paths: RuntimePaths) -> None:
+        self.sock.bind(RuntimePaths.ipc(paths.control))
+        self.ro.bind(RuntimePaths.ipc(paths.control_ro))
 
-    def reply(self, ident: bytes, msg) -> None:
+    def reply(self, caller: Caller, msg) -> None:
         try:
-            self.sock.send_multipart([ident, P.encoder.encode(msg)], zmq.NOBLOCK)
+            caller.sock.send_multipart([caller.ident, P.encoder.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("cannot reply to %r: %s", ident, exc)
+            log.warning("cannot reply to %r: %s", caller.ident, exc)
 
     def send(self, ident: bytes, msg) -> None:
-        """To a child that is connected under an identity (an engine); dropped if it is not."""
+        """To a child that is connected under an identity (an engine, a gateway); dropped if it is not."""
         try:
             self.sock.send_multipart([ident, P.encoder.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
+    def record(self, caller: Caller | None, msg, outcome: str) -> None:
+        """One audit line (a SIGHUP reload has no caller)."""
+        self.audit.write(audit_record(time.time(), caller.peer if caller else UNKNOWN, msg, outcome,
+                                      caller.via if caller else "signal"))
+
+    def refusal(self, caller: Caller, msg) -> str | None:
+        """Why this caller may not send this message, or None."""
+        if caller.via == "control-ro":
+            if isinstance(msg, READ_ONLY):
+                return None
+            return (f"permission denied: {type(msg).__name__} changes the daemon; only its owner "
+                    f"(uid {os.geteuid()}) or root may send it (on the control socket)")
+        if caller.peer.uid is not None and caller.peer.uid not in self.owners:
+            return f"permission denied: uid {caller.peer.uid} is not the daemon's owner (uid {os.geteuid()}) or root"
+        return None
+
     async def serve(self) -> None:
+        await asyncio.gather(self._serve(self.sock, "control"), self._serve(self.ro, "control-ro"))
+
+    async def _serve(self, sock: zmq.asyncio.Socket, via: str) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            ident, body = frames[0], frames[-1]
+            caller = Caller(sock, frames[0].bytes, peer_of(frames[-1]), via)
+            body = frames[-1].bytes
             try:
                 msg = P.control_in_decoder.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("rejected control frame from %r: %s", ident[:32], exc)
-                self.reply(ident, P.Ack(ok=False, message=f"bad request: {exc}"))
+                log.warning("rejected control frame from %r on %s: %s", caller.ident[:32], via, exc)
+                self.reply(caller, P.Ack(ok=False, message=f"bad request: {exc}"))
                 continue
+            why = self.refusal(caller, msg)
+            if why is not None:
+                log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
+                            caller.peer.pid, via)
+                if isinstance(msg, CHANGING) or via == "control-ro":
+                    self.record(caller, msg, "denied")
+                self.reply(caller, P.Ack(ok=False, message=why))
+                continue
+            if isinstance(msg, CHANGING):
+                self.record(caller, msg, "accepted")
             try:
-                self.handlers[type(msg)](ident, msg)
+                self.handlers[type(msg)](caller, msg)
             except Exception:  # a bug in one handler must not take the supervisor down
                 log.exception("control message %r failed", msg)
-                self.reply(ident, P.Ack(ok=False, message="internal error; see the manager log"))
+                self.reply(caller, P.Ack(ok=False, message="internal error; see the manager log"))
 
     def notify_settled(self) -> None:
         waiters, self.settled_waiters = self.settled_waiters, []
-        for ident in waiters:
-            self.reply(ident, self.manager.status())
+        for caller in waiters:
+            self.reply(caller, self.manager.status())
 
     # ---- from children ---------------------------------------------------------------
-    def on_child_ready(self, ident: bytes, msg: P.ChildReady) -> None:
+    def on_child_ready(self, caller: Caller, msg: P.ChildReady) -> None:
         name = parse_component(msg.component)
         if name is None:
             return
@@ -105,79 +171,79 @@ class ControlServer:
             self.manager.gateways.on_ready(msg, name.index)
             self.manager.check_settled()
 
-    def on_group_frozen(self, ident: bytes, msg: P.GroupFrozen) -> None:
+    def on_group_frozen(self, caller: Caller, msg: P.GroupFrozen) -> None:
         group = self.manager.groups.get(msg.model)
         if group is not None:
             group.on_frozen(msg.frozen)
 
-    def on_group_drained(self, ident: bytes, msg: P.GroupDrained) -> None:
+    def on_group_drained(self, caller: Caller, msg: P.GroupDrained) -> None:
         group = self.manager.groups.get(msg.model)
         if group is not None:
             group.on_drained(msg.incarnation)
 
-    def on_group_hung(self, ident: bytes, msg: P.GroupHung) -> None:
+    def on_group_hung(self, caller: Caller, msg: P.GroupHung) -> None:
         group = self.manager.groups.get(msg.model)
         if group is not None and group.kill_hung(msg.incarnation):
             log.error("model %s: a gateway saw no output in time; the group is hung, restarting it", msg.model)
 
-    def on_keys_applied(self, ident: bytes, msg: P.KeysApplied) -> None:
+    def on_keys_applied(self, caller: Caller, msg: P.KeysApplied) -> None:
         name = parse_component(msg.component)
         if name is not None and name.kind == GATEWAY:
             self.manager.gateways.on_keys_applied(msg, name.index)
 
     # ---- from the CLI --------------------------------------------------------------------
-    def on_status(self, ident: bytes, msg: P.StatusRequest) -> None:
-        self.reply(ident, self.manager.status())
+    def on_status(self, caller: Caller, msg: P.StatusRequest) -> None:
+        self.reply(caller, self.manager.status())
 
-    def on_wait_settled(self, ident: bytes, msg: P.WaitSettled) -> None:
+    def on_wait_settled(self, caller: Caller, msg: P.WaitSettled) -> None:
         if self.manager.settled() and not self.manager.shutting_down:
-            self.reply(ident, self.manager.status())
+            self.reply(caller, self.manager.status())
         else:
-            self.settled_waiters.append(ident)
+            self.settled_waiters.append(caller)
 
-    def on_stop(self, ident: bytes, msg: P.StopRequest) -> None:
-        self.reply(ident, P.Ack(ok=True, message="stopping"))
+    def on_stop(self, caller: Caller, msg: P.StopRequest) -> None:
+        self.reply(caller, P.Ack(ok=True, message="stopping"))
         self.manager.request_shutdown(msg.timeout_s)
 
-    def on_restart(self, ident: bytes, msg: P.RestartRequest) -> None:
+    def on_restart(self, caller: Caller, msg: P.RestartRequest) -> None:
         if msg.model is not None and msg.model not in self.manager.groups:
-            self.reply(ident, self.no_model(msg.model))
+            self.reply(caller, self.no_model(msg.model))
             return
         names = self.manager.restart(msg.model)
-        self.reply(ident, P.Ack(ok=True, message=f"restarting {', '.join(names)}"))
+        self.reply(caller, P.Ack(ok=True, message=f"restarting {', '.join(names)}"))
 
-    def on_reload(self, ident: bytes, msg: P.ReloadRequest) -> None:
+    def on_reload(self, caller: Caller, msg: P.ReloadRequest) -> None:
         async def run() -> None:
             ok, message = await self.manager.reload()
-            self.reply(ident, P.Ack(ok=ok, message=message))  # once applied, not before
+            self.reply(caller, P.Ack(ok=ok, message=message))  # once applied, not before
 
         asyncio.get_running_loop().create_task(run())
 
-    def on_load(self, ident: bytes, msg: P.LoadModel) -> None:
+    def on_load(self, caller: Caller, msg: P.LoadModel) -> None:
         if msg.model.name in self.manager.groups:
-            self.reply(ident, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
+            self.reply(caller, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
             return
         m = self.manager
         cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
         m.add_model(cfg.models[0])
-        self.reply(ident, P.Ack(ok=True, message=f"loading {msg.model.name}"))
+        self.reply(caller, P.Ack(ok=True, message=f"loading {msg.model.name}"))
 
-    def on_unload(self, ident: bytes, msg: P.UnloadModel) -> None:
+    def on_unload(self, caller: Caller, msg: P.UnloadModel) -> None:
         if msg.name not in self.manager.groups:
-            self.reply(ident, self.no_model(msg.name))
+            self.reply(caller, self.no_model(msg.name))
             return
         asyncio.get_running_loop().create_task(self.manager.remove_model(msg.name))
-        self.reply(ident, P.Ack(ok=True, message=f"unloading {msg.name}"))
+        self.reply(caller, P.Ack(ok=True, message=f"unloading {msg.name}"))
 
-    def on_set_freezing(self, ident: bytes, msg: P.SetFreezing) -> None:
+    def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:
         group = self.manager.groups.get(msg.model)
         if group is None:
-            self.reply(ident, self.no_model(msg.model))
+            self.reply(caller, self.no_model(msg.model))
             return
         group.freezing = msg.enabled
         self.manager.send_to_engine(group, P.FreezingControl(
             enabled=msg.enabled, grace_s=self.manager.settings.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S))
-        self.reply(ident, P.Ack(ok=True, message=f"freezing {'on' if msg.enabled else 'off'} for {msg.model}"))
+        self.reply(caller, P.Ack(ok=True, message=f"freezing {'on' if msg.enabled else 'off'} for {msg.model}"))
 
     def no_model(self, name: str) -> P.Ack:
         return P.Ack(ok=False, message=f"no model {name!r}; served: {', '.join(self.manager.groups)}")

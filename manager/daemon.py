@@ -37,7 +37,7 @@ from manager.reload import plan_reload
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from servectl import config as C
-from servectl.paths import RuntimePaths, ensure_private_dir
+from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, ppid_of, processes_of_instance,
                            with_package_path)
 from servectl.wire import control as P
@@ -55,7 +55,7 @@ class ManagerState(StrEnum):
 
 class Manager:
     def __init__(self, cfg: C.Config, paths: RuntimePaths, instance: str, state_dir: Path,
-                 config_path: str | None = None, overrides: C.Overrides | None = None):
+                 config_path: str | None = None, overrides: C.Overrides | None = None, lock_fd: int | None = None):
         self.settings = cfg.manager
         self.gateway_cfg = cfg.gateway
         self.config_path = config_path
@@ -64,7 +64,9 @@ class Manager:
         self.runtime_dir = paths.root
         self.instance = instance
         self.state_dir = state_dir
-        self.log_dir = ensure_private_dir(state_dir / "logs")
+        self.lock_fd = lock_fd  # manager.pid, flocked for our whole life (manager/main.py)
+        self.shared = is_shared(os.stat(paths.root))  # its group may use the read-only socket and read logs
+        self.log_dir = secure_dir(state_dir / "logs", 0o750 if self.shared else 0o700)
         self.started_at = time.time()
         self.state = ManagerState.STARTING
         self.exit_code = 0
@@ -74,12 +76,9 @@ class Manager:
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
         self.gateways = GatewayPool(self)
         self.done = asyncio.Event()
-        # Gateways' prometheus multiprocess files: fresh for each manager.
-        self.metrics_dir = paths.root / "metrics"
-        if self.metrics_dir.exists():
-            for f in self.metrics_dir.iterdir():
-                f.unlink()
-        ensure_private_dir(self.metrics_dir)
+        # Gateways' prometheus multiprocess files: fresh for each manager (a dead
+        # one's were removed under the lock: servectl.paths.remove_stale).
+        self.metrics_dir = secure_dir(paths.metrics)
 
     @property
     def shutting_down(self) -> bool:
@@ -252,6 +251,8 @@ class Manager:
         return [g.name for g in targets]
 
     def request_reload(self) -> None:
+        """SIGHUP: as `servectl reload`, audited as the signal (its sender is not known here)."""
+        self.control.record(None, "reload (SIGHUP)", "accepted")
         if not self.shutting_down:
             asyncio.get_running_loop().create_task(self.reload())
 
@@ -349,15 +350,20 @@ class Manager:
         self.events.setsockopt(zmq.LINGER, 0)
         old = os.umask(0o177)
         try:
-            self.control.bind(self.paths.control)
+            self.control.bind(self.paths)
             self.events.bind(RuntimePaths.ipc(self.paths.events))
         finally:
             os.umask(old)
-        if self.paths.root.stat().st_mode & 0o070:
+        if self.shared:
             # A system daemon's runtime dir is 0750 with the operators' group:
-            # they may use the control socket (0660); every other socket stays 0600.
-            os.chmod(self.paths.control, 0o660)
-        self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
+            # they may follow events and use the read-only control socket (0660);
+            # the control socket and every other socket stay 0600.
+            os.chmod(self.paths.control_ro, 0o660)
+            os.chmod(self.paths.events, 0o660)
+        if self.lock_fd is not None:
+            write_pidfile(self.lock_fd, os.getpid(), self.instance)
+        else:
+            self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
         self.gateways.bind(self.gateway_cfg)
         log.info("manager %d: runtime %s, gateway on %s:%d", os.getpid(), self.paths.root, self.gateway_cfg.host,
                  self.gateways.port)
@@ -367,7 +373,7 @@ class Manager:
         self.gateways.start_all()
         await self.done.wait()
         control_task.cancel()
-        for path in (self.paths.control, self.paths.events, self.paths.pidfile):
+        for path in (self.paths.control, self.paths.control_ro, self.paths.events, self.paths.pidfile):
             path.unlink(missing_ok=True)
         self.ctx.destroy(linger=0)
         return self.exit_code

@@ -14,6 +14,8 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from servectl.paths import open_append
+
 ROTATE_BYTES = 16 * 1024 * 1024
 
 
@@ -33,7 +35,7 @@ class LogSink:
         self._size = 0
 
     def _open(self) -> None:
-        self._file = open(self.path, "ab", buffering=0)
+        self._file = os.fdopen(open_append(self.path), "ab", buffering=0)  # never through a symlink
         self._size = self._file.tell()
 
     def write(self, data: bytes) -> None:

@@ -4,30 +4,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import secrets
 from pathlib import Path
 
 from manager.daemon import Manager
-from servectl import config as C
-from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, ensure_private_dir, resolve_runtime_dir
+from servectl.paths import (AlreadyRunning, RuntimePaths, UntrustedDirectory, is_shared, lock_pidfile, remove_stale,
+                            resolve_runtime_dir, secure_dir)
+from servectl.proc import INSTANCE_ENV, become_subreaper, die_with_parent
 from servectl.wire.spawn import ManagerSpec, read_spec_fd
-from servectl.proc import INSTANCE_ENV, become_subreaper, carries_instance, die_with_parent
 
 
-def check_not_running(paths: RuntimePaths) -> None:
-    """Refuse to start over a live manager; clean what a dead one left."""
+def claim_runtime_dir(root: Path) -> tuple[RuntimePaths, int]:
+    """Create or check the runtime directory, take its lock, then clean what a dead manager left.
+
+    Returns the paths and the locked pid file's descriptor (held for the
+    manager's life). Refuses (SystemExit with the reason) a directory that is
+    not ours and a directory another live manager holds.
+    """
     try:
-        pid_text, instance = paths.pidfile.read_text().split()[:2]
-        pid = int(pid_text)
-    except (OSError, ValueError):
-        pid, instance = None, None
-    if pid is not None and carries_instance(pid, instance):
-        raise SystemExit(f"servectl manager already running (pid {pid}) in {paths.root}")
-    # Stale: sockets and pid file of a dead manager are never trusted.
-    for entry in paths.root.iterdir():
-        if entry.name in ("control", "events", "manager.pid") or entry.name.startswith(("engine-", "worker-", "dist-")):
-            entry.unlink(missing_ok=True)
+        secure_dir(root)  # systemd's /run/servectl (0750, its group) is checked and keeps its mode
+        paths = RuntimePaths(root)
+        lock_fd = lock_pidfile(paths)
+    except (UntrustedDirectory, AlreadyRunning) as exc:
+        raise SystemExit(str(exc)) from None
+    removed = remove_stale(paths)  # only under the lock: no live manager owns these
+    if removed:
+        logging.getLogger("manager").info("removed what a dead manager left in %s: %s", root, ", ".join(removed))
+    return paths, lock_fd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,14 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.die_with_parent:
         die_with_parent()
     root = resolve_runtime_dir(cfg.manager.runtime_dir)
-    if root == SYSTEM_RUNTIME_DIR and root.is_dir():
-        pass  # systemd made it (RuntimeDirectoryMode=0750): keep its mode and group
-    else:
-        ensure_private_dir(root)
-    paths = RuntimePaths(root)
-    check_not_running(paths)
+    paths, lock_fd = claim_runtime_dir(root)
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
-    ensure_private_dir(state_dir)
+    try:
+        # Logs are readable where the runtime directory is (a group-shared one: its group).
+        secure_dir(state_dir, 0o750 if is_shared(os.stat(root)) else 0o700)
+    except UntrustedDirectory as exc:
+        raise SystemExit(str(exc)) from None
     # The tag must be in our real environment (/proc/<pid>/environ) so a leak
     # of the manager itself can be found; `servectl start` and Server() put it there.
     instance = args.instance or os.environ.get(INSTANCE_ENV) or secrets.token_hex(8)
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     import uvloop
 
-    manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides)
+    manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides, lock_fd=lock_fd)
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

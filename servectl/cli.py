@@ -16,12 +16,13 @@ from pathlib import Path
 import click
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from servectl.wire import control as P
 from servectl import config as C
-from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
-from servectl.paths import resolve_runtime_dir
+from servectl.client import ControlClient, NotRunning, PermissionDenied, spawn_manager, wait_settled
+from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
 from servectl.proc import stat_fields
 
 # Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
@@ -45,7 +46,29 @@ def not_running(exc: NotRunning) -> None:
     sys.exit(NOT_RUNNING)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+NO_PERMISSION = 4  # as systemctl (LSB): the user may not do that
+
+
+class Main(click.Group):
+    """Refusals are one clear line and an exit code, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UntrustedDirectory as exc:
+            err.print(f"[red]{escape(str(exc))}[/red]")
+            sys.exit(2)
+        except PermissionDenied as exc:
+            err.print(f"[red]{escape(str(exc))}[/red]")
+            sys.exit(NO_PERMISSION)
+        except PermissionError as exc:  # a file or socket of a daemon this user may not reach
+            what = f" {exc.filename}" if exc.filename else ""
+            err.print(f"[red]permission denied:{escape(what)}[/red] (a daemon of another user? members of its "
+                      "group may use status, events and logs; its owner and root everything)")
+            sys.exit(NO_PERMISSION)
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="servectl")
 def main() -> None:
     """Serve LLMs with a supervisor that owns every process."""
@@ -92,6 +115,9 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         sys.exit(2)
     root = resolve_runtime_dir(cfg.manager.runtime_dir)
     cfg.manager.runtime_dir = str(root)
+    state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
+    # Made here, or checked if there: never written into if another user made it first.
+    log_dir = prepare_dirs(root, state_dir)
     client = ControlClient(root, timeout_s=3)
     if client.running():
         err.print(f"servectl is already running in {root}")
@@ -105,8 +131,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         os.set_inheritable(fd, True)
         argv = manager_command(fd)
         os.execve(argv[0], argv, child_env())
-    state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
-    proc = spawn_manager(cfg, state_dir / "logs" / "manager.log", config_path=config_path, overrides=overrides)
+    proc = spawn_manager(cfg, log_dir / "manager.log", config_path=config_path, overrides=overrides)
     console.print(f"servectl: manager pid {proc.pid}, runtime {root}")
 
     def show(ev: P.Event) -> None:
@@ -121,7 +146,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
             reply = wait_settled(client, proc.pid, timeout, show)
     except NotRunning:
         err.print("[red]the manager exited during start[/red]; its log:")
-        log = state_dir / "logs" / "manager.log"
+        log = log_dir / "manager.log"
         err.print("\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else "(none)")
         sys.exit(1)
     except TimeoutError as exc:
@@ -344,6 +369,8 @@ def logs(runtime_dir, component, lines, follow):
         state_dir = Path(ControlClient(root, timeout_s=3).status().state_dir)
     except NotRunning:
         state_dir = root / "state"  # the default, for reading the logs of a stopped daemon
+        if root.exists():
+            verify_dir(root)  # not another user's directory
     log_dir = state_dir / "logs"
     if not log_dir.exists():
         not_running(NotRunning(f"no logs in {log_dir}"))

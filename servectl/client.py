@@ -10,7 +10,7 @@ from pathlib import Path
 import zmq
 
 from servectl import config as C
-from servectl.paths import RuntimePaths
+from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, open_append, system_dir_denied, user_name, verify_dir
 from servectl.wire import control as P
 from servectl.wire.spawn import ManagerSpec, spec_fd
 
@@ -19,19 +19,65 @@ class NotRunning(Exception):
     """No manager answers in this runtime directory."""
 
 
+class PermissionDenied(Exception):
+    """This user may not send that command (it changes the daemon; they are not its owner)."""
+
+
+# Read-only requests go to the read-only socket (what a group-shared runtime
+# directory's group may reach); everything else to the owner's control socket.
+READ_ONLY = (P.StatusRequest, P.WaitSettled)
+
+
+def not_running_message(root: Path, detail: str) -> str:
+    text = f"servectl is not running ({detail})"
+    if root != SYSTEM_RUNTIME_DIR and system_dir_denied():
+        text += (f"; {SYSTEM_RUNTIME_DIR} exists but you may not enter it: the system daemon is for members of "
+                 "its group (servectl)")
+    return text
+
+
+def check_runtime_dir(root: Path) -> None:
+    """Before a byte is read from or sent into it: NotRunning if there is no such directory,
+    UntrustedDirectory if it is not ours (another user made it: a fake control socket could answer)."""
+    try:
+        verify_dir(root)
+    except FileNotFoundError:
+        raise NotRunning(not_running_message(root, f"no runtime directory {root}")) from None
+    except PermissionError:
+        raise NotRunning(not_running_message(root, f"you may not enter {root}")) from None
+
+
 class ControlClient:
     def __init__(self, runtime_dir: Path, timeout_s: float = 10.0):
         self.paths = RuntimePaths(Path(runtime_dir))
         self.timeout_s = timeout_s
         self.ctx = zmq.Context.instance()
 
+    def socket_for(self, msg) -> Path:
+        """The read-only socket for what only reads, the control socket (owner only) for the rest."""
+        check_runtime_dir(self.paths.root)
+        if isinstance(msg, READ_ONLY):
+            path = self.paths.control_ro
+            if path.exists() and os.access(path, os.W_OK):
+                return path
+        path = self.paths.control
+        if not path.exists():
+            raise NotRunning(not_running_message(self.paths.root, f"no control socket in {self.paths.root}"))
+        if not os.access(path, os.W_OK):
+            owner = os.stat(path).st_uid
+            raise PermissionDenied(
+                f"permission denied: {self.paths.control} is its owner's ({user_name(owner)}); "
+                + ("this command changes the daemon, so only that user or root may send it; members of its "
+                   "group may use status, events and logs" if not isinstance(msg, READ_ONLY) else
+                   "you are not in the group of its runtime directory"))
+        return path
+
     def request(self, msg, timeout_s: float | None = None):
-        if not self.paths.control.exists():
-            raise NotRunning(f"servectl is not running (no control socket in {self.paths.root})")
+        path = self.socket_for(msg)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(RuntimePaths.ipc(self.paths.control))
+            sock.connect(RuntimePaths.ipc(path))
             sock.send(P.encoder.encode(msg))
             wait = self.timeout_s if timeout_s is None else timeout_s
             if not sock.poll(None if wait is None or wait < 0 else int(wait * 1000)):
@@ -77,15 +123,16 @@ def child_env() -> dict[str, str]:
 def spawn_manager(cfg: C.Config, log_path: Path, extra: list[str] | None = None, detach: bool = True,
                   pass_fds: tuple[int, ...] = (), config_path: str | os.PathLike | None = None,
                   overrides: C.Overrides | None = None) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    """Start ``python -m manager``; ``log_path`` is in a directory ``prepare_dirs`` made or checked."""
+    log = open_append(log_path)
     fd = manager_spec_fd(cfg, config_path, overrides)
     try:
-        with open(log_path, "ab") as log:
-            return subprocess.Popen(manager_command(fd, extra), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=detach, env=child_env(),
-                                    pass_fds=(fd, *pass_fds), close_fds=True)
+        return subprocess.Popen(manager_command(fd, extra), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=detach, env=child_env(),
+                                pass_fds=(fd, *pass_fds), close_fds=True)
     finally:
         os.close(fd)
+        os.close(log)
 
 
 def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: float, on_event=None):
@@ -93,6 +140,7 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
 
     Returns the final StatusReply, or raises NotRunning if the manager died.
     """
+    check_runtime_dir(client.paths.root)  # made by whoever started the manager, before it
     ctx = client.ctx
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -100,7 +148,7 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
     sub.connect(RuntimePaths.ipc(client.paths.events))
     req = ctx.socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
-    req.connect(RuntimePaths.ipc(client.paths.control))
+    req.connect(RuntimePaths.ipc(client.paths.control_ro))  # bound soon, if not yet: connecting waits
     req.send(P.encoder.encode(P.WaitSettled()))
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)

@@ -29,7 +29,7 @@ from typing import Any
 from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
-from servectl.paths import resolve_runtime_dir
+from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir
 
 
 class ServerError(RuntimeError):
@@ -150,8 +150,12 @@ class Server(Connection):
         with self._lock:
             if self._proc is not None:
                 return self
+            state = self.config.manager.state_dir
+            try:  # made (or checked: an existing one must be ours, not writable by others, not a link)
+                log = prepare_dirs(self.runtime_dir, Path(state) if state else None) / "manager.log"
+            except UntrustedDirectory as exc:
+                raise ServerError(str(exc)) from None
             r, w = os.pipe()  # both ends non-inheritable; r is passed explicitly
-            log = self.runtime_dir / "state" / "logs" / "manager.log"
             try:
                 self._proc = spawn_manager(self.config, log,
                                            extra=["--parent-pipe-fd", str(r)], detach=True, pass_fds=(r,))

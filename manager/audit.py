@@ -1,0 +1,121 @@
+"""Who asked the manager to change what, and when: the audit log.
+
+Every command on the control plane that starts code or changes state (stop,
+restart, reload, load, unload, freeze) is one JSON line in
+``<state dir>/audit.log`` (and a line in the manager's own log, so the
+journal has it too), written when the command arrives, whether it is carried
+out or refused. Read-only commands (status, wait-settled) are not recorded.
+
+Who: the peer's uid, user name and pid, which the kernel vouches for
+(``SO_PEERCRED``, which libzmq reports as the ``Peer-Address`` of an ipc
+connection: ``…:uid:gid:pid``); a reload by SIGHUP says so instead. Model
+``env`` values never reach the log (only their names): they may be tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from servectl.wire import control as P
+
+log = logging.getLogger("manager.audit")
+
+# Messages that start code or change state: owner only, and audited.
+CHANGING = (P.StopRequest, P.RestartRequest, P.ReloadRequest, P.LoadModel, P.UnloadModel, P.SetFreezing)
+# What a member of a group-shared runtime directory's group may ask (the read-only socket).
+READ_ONLY = (P.StatusRequest, P.WaitSettled)
+REDACTED = "<redacted>"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A control-socket client as the kernel saw it when it connected."""
+
+    uid: int | None
+    gid: int | None
+    pid: int | None
+
+    @property
+    def user(self) -> str | None:
+        if self.uid is None:
+            return None
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return None
+
+
+UNKNOWN = Peer(None, None, None)
+
+
+def parse_peer_address(text: str | None) -> Peer:
+    """libzmq's ``Peer-Address`` of an ipc connection (``[host]:uid:gid:pid``) as a Peer. Pure."""
+    parts = (text or "").rsplit(":", 3)
+    if len(parts) != 4:
+        return UNKNOWN
+    try:
+        uid, gid, pid = (int(x) for x in parts[1:])
+    except ValueError:
+        return UNKNOWN
+    return Peer(uid, gid, pid)
+
+
+def command_name(msg: msgspec.Struct) -> str:
+    return msg.__struct_config__.tag or type(msg).__name__
+
+
+def command_args(msg: msgspec.Struct) -> dict:
+    """A message's fields for the log; a model's env values become ``<redacted>``. Pure."""
+    args = msgspec.to_builtins(msg)
+    args.pop("type", None)
+    model = args.get("model")
+    if isinstance(model, dict) and isinstance(model.get("env"), dict):
+        model["env"] = dict.fromkeys(model["env"], REDACTED)
+    return args
+
+
+def audit_record(when: float, peer: Peer, msg: msgspec.Struct | str, outcome: str, via: str = "control") -> dict:
+    """One audit entry. ``msg`` is a control message, or a word for what is not one ("SIGHUP reload"). Pure."""
+    stamp = datetime.datetime.fromtimestamp(when, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    record = {"time": stamp, "uid": peer.uid, "user": peer.user, "pid": peer.pid, "via": via}
+    if isinstance(msg, str):
+        record["command"] = msg
+        record["args"] = {}
+    else:
+        record["command"] = command_name(msg)
+        record["args"] = command_args(msg)
+    record["outcome"] = outcome
+    return record
+
+
+def audit_line(record: dict) -> str:
+    return msgspec.json.encode(record).decode() + "\n"
+
+
+class AuditLog:
+    """Appends audit lines to a file (0640 inside the state directory; never through a symlink)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        line = audit_line(record)
+        log.info("audit: %s", line.rstrip())
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        except OSError as exc:
+            log.error("cannot write the audit log %s: %s", self.path, exc)
+            return
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.write(fd, line.encode())
+        finally:
+            os.close(fd)
