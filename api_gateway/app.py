@@ -28,6 +28,7 @@ from api_gateway import openai_types as H
 from api_gateway.engines import EngineLink
 from api_gateway.errors import EngineUnavailable, HttpError, error_body, http_error_body, unavailable, validation_error
 from api_gateway.generate import Generator
+from api_gateway.http_policy import CorsPolicy, HostPolicy, is_json_content_type
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.translate import chat_messages, generate_messages, normalize_prompts
@@ -66,6 +67,8 @@ class Gateway:
         self.idle.set()
         self.keys = [k.encode() for k in self.cfg.api_keys]
         self.manager.on_api_keys = self.set_api_keys
+        self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
+        self.cors = CorsPolicy(self.cfg.cors_origins)
         self.created = int(time.time())
 
     def set_api_keys(self, keys: list[str]) -> None:
@@ -85,9 +88,18 @@ class Gateway:
         request["request_id"] = rid
         request["log"] = {}
         try:
-            if self.keys and request.path.startswith("/v1/"):
-                self.check_auth(request)
-            response = await handler(request)
+            if not self.hosts.allows(request.headers.get("Host")):
+                raise HttpError(421, f"this server does not answer for host {request.headers['Host']!r} "
+                                     "(gateway.allowed_hosts)", code="misdirected_request")
+            origin = request.headers.get("Origin")
+            if request.method == "OPTIONS" and self.cors.allows(origin) and \
+                    "Access-Control-Request-Method" in request.headers:
+                response = web.Response(status=204, headers=self.cors.preflight_headers(
+                    origin, request.headers.get("Access-Control-Request-Headers")))
+            else:
+                if self.keys and request.path.startswith("/v1/"):
+                    self.check_auth(request)
+                response = await handler(request)
         except HttpError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:
@@ -122,11 +134,19 @@ class Gateway:
                             "authentication_error", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
 
+    async def add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer to an allowed origin says so (streams too: this runs as headers go out)."""
+        origin = request.headers.get("Origin")
+        if self.cors.allows(origin):
+            for name, value in self.cors.headers(origin).items():
+                response.headers.setdefault(name, value)
+
     # ---- body parsing ---------------------------------------------------------------------
     async def read_json(self, request: web.Request, typ, unsupported: tuple[str, ...]):
-        ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
-        if ctype not in ("application/json", "", "text/plain"):
-            raise HttpError(415, f"unsupported content type {ctype!r}: send application/json")
+        ctype = request.headers.get("Content-Type")
+        if not is_json_content_type(ctype):
+            # Not text/plain nor a form: those a page may POST cross-site without a preflight.
+            raise HttpError(415, f"unsupported content type {ctype or '(none)'!r}: send application/json")
         if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
             raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                                  f"{self.cfg.max_body_bytes}")
@@ -242,6 +262,8 @@ class Gateway:
     # ---- lifecycle ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes)
+        if self.cors.enabled:
+            app.on_response_prepare.append(self.add_cors_headers)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_handler)

@@ -38,8 +38,7 @@ from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from servectl import config as C
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
-from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, ppid_of, processes_of_instance,
-                           with_package_path)
+from servectl.proc import INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, ppid_of, with_package_path
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_identity, model_component
 
@@ -260,7 +259,8 @@ class Manager:
         """Re-read the file, re-apply the start options, and apply only the difference."""
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\nSTATUS=reloading")
         try:
-            new, _ = C.effective_config(self.config_path, self.overrides)
+            # Exactly the file it started with (none: the defaults), wherever reload is asked from.
+            new, _ = C.effective_config(self.config_path, self.overrides, search=False)
         except C.ConfigError as exc:
             log.error("reload refused: %s", exc)
             notify("READY=1\nSTATUS=reload refused: config error")
@@ -319,13 +319,9 @@ class Manager:
 
     def kill_strays(self) -> None:
         """Kill grandchildren reparented to us (we are their subreaper)."""
-        me = os.getpid()
-        for pid in processes_of_instance(self.instance):
-            if pid != me:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        killed = kill_instance(self.instance, exclude={os.getpid()})  # by pidfd: a reused pid is never hit
+        if killed:
+            log.warning("killed strays of this tree: %s", killed)
         self.reap_strays()
 
     def reap_strays(self) -> None:
@@ -365,8 +361,8 @@ class Manager:
         else:
             self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
         self.gateways.bind(self.gateway_cfg)
-        log.info("manager %d: runtime %s, gateway on %s:%d", os.getpid(), self.paths.root, self.gateway_cfg.host,
-                 self.gateways.port)
+        log.info("manager %d: runtime %s, gateway on %s:%d, config %s", os.getpid(), self.paths.root,
+                 self.gateway_cfg.host, self.gateways.port, self.config_path or "(none: built-in defaults)")
         control_task = loop.create_task(self.control.serve())
         for group in self.groups.values():
             group.start()

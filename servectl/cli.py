@@ -88,7 +88,9 @@ def parse_engine_args(items: tuple[str, ...]) -> dict:
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML config file (default: $SERVECTL_CONFIG, else ~/.config/servectl/servectl.toml, or "
+                   "/etc/servectl/servectl.toml for the system daemon; never ./servectl.toml).")
 @runtime_option
 @click.option("--host", help="Gateway address (default 127.0.0.1).")
 @click.option("--port", type=int, help="Gateway port (default 8000; 0 picks a free one).")
@@ -109,7 +111,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         overrides = C.Overrides(runtime_dir=runtime_dir, state_dir=state_dir, host=host, port=port, gateways=gateways,
                                 freeze_grace_s=freeze_grace, api_key_file=api_key_file, model=model, name=name,
                                 tensor_parallel_size=tp, engine_args=parse_engine_args(engine_args))
-        cfg, found = C.effective_config(config_path, overrides)
+        cfg, found = C.effective_config(config_path, overrides, system=C.is_system_daemon(runtime_dir))
     except C.ConfigError as exc:
         err.print(f"[red]{exc}[/red]")
         sys.exit(2)

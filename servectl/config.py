@@ -2,8 +2,9 @@
 
 Unknown keys, wrong types and bad values are errors that name the key and the
 file, raised before anything starts. The manager receives the effective
-config as JSON on its command line (it never re-reads the file itself except
-on reload).
+config as JSON in a memfd (never on its command line: it holds API keys and
+model envs) with the absolute path it came from, and re-reads exactly that
+file on reload (none if it was started without one).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import msgspec
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "default"
 DEFAULT_MODEL_NAME = "default"
-CONFIG_SEARCH = (Path("servectl.toml"), Path("/etc/servectl/servectl.toml"))
+# Lookup (``config_candidates``): --config, else $SERVECTL_CONFIG, else the
+# user's or the system's file; never the working directory (a file planted
+# there must not configure a daemon).
+SYSTEM_CONFIG = Path("/etc/servectl/servectl.toml")
+CONFIG_ENV = "SERVECTL_CONFIG"
 # \Z, not $: "$" also matches before a final newline, so "ok\n" would pass.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z"
 
@@ -42,6 +47,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_per_model: PositiveInt = 256
     api_keys: list[str] = []
     api_key_file: str | None = None
+    # Host names answered besides localhost names and loopback IPs. Bound to a
+    # loopback address, any other Host gets 421 (no DNS rebinding); bound
+    # elsewhere the check applies only when this is set. ["*"]: no check.
+    allowed_hosts: list[str] = []
+    # Origins whose pages may call the API (CORS); none by default. ["*"]: any.
+    cors_origins: list[str] = []
 
 
 class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -96,13 +107,42 @@ def default_model() -> ModelConfig:
     return ModelConfig(name=DEFAULT_MODEL_NAME, model=str(DEFAULT_MODEL_DIR))
 
 
-def find_config_file(explicit: str | os.PathLike | None) -> Path | None:
+def user_config_path(env: dict[str, str] | os._Environ = os.environ) -> Path:
+    """``$XDG_CONFIG_HOME/servectl/servectl.toml`` (a relative XDG_CONFIG_HOME is ignored, as the spec says)."""
+    base = env.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(env.get("HOME") or os.path.expanduser("~"), ".config")
+    return Path(base) / "servectl" / "servectl.toml"
+
+
+def config_candidates(explicit: str | os.PathLike | None, system: bool,
+                      env: dict[str, str] | os._Environ = os.environ) -> tuple[Path, bool]:
+    """Which file to read, and whether it must exist. Pure but for ``env``.
+
+    An explicit ``--config``, then ``$SERVECTL_CONFIG`` (both must exist); else
+    the system daemon's ``/etc/servectl/servectl.toml`` or a user daemon's
+    ``$XDG_CONFIG_HOME/servectl/servectl.toml`` (``~/.config``), if there.
+    Never the current directory.
+    """
     if explicit:
-        return Path(explicit)
-    for candidate in CONFIG_SEARCH:
-        if candidate.is_file():
-            return candidate
-    return None
+        return Path(explicit), True
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]), True
+    return (SYSTEM_CONFIG if system else user_config_path(env)), False
+
+
+def is_system_daemon(runtime_dir: str | os.PathLike | None = None) -> bool:
+    """The daemon in question is the system one: its runtime directory (flag, env, lookup) is
+    /run/servectl, or we run as the service user."""
+    from servectl.paths import SYSTEM_RUNTIME_DIR, resolve_runtime_dir, service_uid
+
+    return Path(os.path.abspath(resolve_runtime_dir(runtime_dir))) == SYSTEM_RUNTIME_DIR or \
+        service_uid() == os.geteuid()
+
+
+def find_config_file(explicit: str | os.PathLike | None, system: bool | None = None) -> Path | None:
+    path, required = config_candidates(explicit, is_system_daemon() if system is None else system)
+    return path if required or path.is_file() else None
 
 
 def _explain(err: msgspec.ValidationError, path: Path | None) -> str:
@@ -116,8 +156,10 @@ def _explain(err: msgspec.ValidationError, path: Path | None) -> str:
     return f"config error{where}: {key + ': ' if key else ''}{text}"
 
 
-def load_config(path: str | os.PathLike | None = None) -> tuple[Config, Path | None]:
-    found = find_config_file(path)
+def load_config(path: str | os.PathLike | None = None, search: bool = True,
+                system: bool | None = None) -> tuple[Config, Path | None]:
+    """Read ``path``, or the file the lookup finds (``search``; else none: the built-in defaults)."""
+    found = find_config_file(path, system) if path or search else None
     if found is None:
         cfg = Config()
     else:
@@ -152,7 +194,22 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             raise ConfigError(f"config error{where}: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: "
                               f"{exc.strerror}") from None
         cfg.gateway.api_keys = list(dict.fromkeys([*cfg.gateway.api_keys, *keys]))
+    for i, key in enumerate(cfg.gateway.api_keys):
+        why = api_key_problem(key)
+        if why:
+            where = f" in {path}" if path else ""
+            raise ConfigError(f"config error{where}: gateway.api_keys[{i}]: {why}")
     return cfg
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why a configured API key cannot be one, or None. An empty key would turn authentication off
+    for anyone who sends an empty bearer token; a key with spaces or control characters cannot be sent."""
+    if not key.strip():
+        return "an empty API key is not allowed (remove it; no keys at all means no authentication)"
+    if any(c.isspace() or not c.isprintable() for c in key) or not key.isascii():
+        return "an API key must be printable ASCII without spaces (it travels in an HTTP header)"
+    return None
 
 
 class Overrides(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -203,8 +260,9 @@ def apply_overrides(cfg: Config, ov: Overrides) -> Config:
     return finalize(cfg)
 
 
-def effective_config(path: str | os.PathLike | None, ov: Overrides) -> tuple[Config, Path | None]:
-    cfg, found = load_config(path)
+def effective_config(path: str | os.PathLike | None, ov: Overrides, search: bool = True,
+                     system: bool | None = None) -> tuple[Config, Path | None]:
+    cfg, found = load_config(path, search, system)
     return apply_overrides(cfg, ov), found
 
 

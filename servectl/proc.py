@@ -108,3 +108,32 @@ def processes_of_instance(instance: str) -> list[int]:
     """Pids of every live process whose environment carries this instance tag."""
     # A zombie has already released everything; it is not a live process.
     return [pid for pid in all_pids() if carries_instance(pid, instance) and not is_zombie(pid)]
+
+
+def kill_instance(instance: str, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """SIGKILL every live process carrying this instance tag; returns the pids signalled.
+
+    By pidfd, never by pid: the scan of /proc names pids, and a pid can be
+    reused by an unrelated process between the scan and the kill. So each
+    pid is opened as a pidfd first, its tag is checked again (now that the
+    pidfd pins the process it names), and the signal goes through the pidfd,
+    which reaches that process or nothing.
+    """
+    killed = []
+    for pid in processes_of_instance(instance):
+        if pid in exclude:
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            continue
+        try:
+            if not carries_instance(pid, instance) or is_zombie(pid):
+                continue  # the pid now names another process (or one already gone)
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
