@@ -238,10 +238,12 @@ def secure_dir(path: Path, mode: int = 0o700, owners: set[int] | None = None) ->
     except FileExistsError:
         created = False
     st = verify_dir(path, owners)
-    if created and stat.S_IMODE(st.st_mode) != mode:
+    if created and st.st_mode & 0o777 != mode:
         fd = open_dir(path)
         try:
-            os.fchmod(fd, mode)  # the umask took bits we asked for (mkdir's mode is masked)
+            # The umask took bits we asked for (mkdir's mode is masked); a setgid bit
+            # inherited from a group-shared parent stays, so files keep that group.
+            os.fchmod(fd, mode | (st.st_mode & stat.S_ISGID))
         finally:
             os.close(fd)
     return path
