@@ -406,8 +406,9 @@ def config_check(path):
         for msg in bad:
             err.print(f"[red]{msg}[/red]")
         sys.exit(2)
-    err.print(f"effective configuration ({found or 'built-in defaults'}):", markup=False, highlight=False)
-    click.echo(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
+    err.print(f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):",
+              markup=False, highlight=False)
+    click.echo(msgspec.json.format(msgspec.json.encode(C.redacted(cfg)), indent=2).decode())
 
 
 if __name__ == "__main__":

@@ -266,6 +266,18 @@ def effective_config(path: str | os.PathLike | None, ov: Overrides, search: bool
     return apply_overrides(cfg, ov), found
 
 
+REDACTED = "<redacted>"
+
+
+def redacted(cfg: Config) -> Config:
+    """A copy to show (terminals, logs, CI output): API keys and a model's env values hidden, names kept."""
+    out = msgspec.convert(msgspec.to_builtins(cfg), Config)
+    out.gateway.api_keys = [REDACTED] * len(out.gateway.api_keys)
+    for m in out.models:
+        m.env = dict.fromkeys(m.env, REDACTED)
+    return out
+
+
 def encode(cfg: Config) -> bytes:
     return msgspec.json.encode(cfg)
 

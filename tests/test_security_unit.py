@@ -513,3 +513,15 @@ def test_systemd_unit_is_hardened(tmp_path):
     bare = tmp_path / "servectl.service"
     bare.write_text("[Service]\nType=notify\nUser=servectl\nExecStart=/usr/local/bin/servectl start\n")
     assert unit_exposure(bare) > 3.0
+
+
+def test_config_check_shows_no_key_or_env_value(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[gateway]\napi_keys = ["sk-shown-nowhere"]\n[[models]]\nname = "m"\nmodel = "{C.DEFAULT_MODEL_DIR}"\n'
+                    '[models.env]\nHF_TOKEN = "hf_shown_nowhere"\n')
+    cfg, _ = C.load_config(path)
+    shown = C.redacted(cfg)
+    assert shown.gateway.api_keys == [C.REDACTED] and shown.models[0].env == {"HF_TOKEN": C.REDACTED}
+    assert cfg.gateway.api_keys == ["sk-shown-nowhere"]  # the original is untouched
+    text = msgspec.json.encode(shown).decode()
+    assert "shown_nowhere" not in text and "shown-nowhere" not in text
