@@ -62,7 +62,7 @@ def sec(tmp_path_factory, shared_rt):
 
 
 def tree_pids(d) -> set[int]:
-    mark = d.mark.encode()
+    mark = d.mark  # bytes, as in /proc/<pid>/environ
     return {pid for pid in all_pids() if pid != os.getpid() and not is_zombie(pid) and mark in environ_of(pid)}
 
 
