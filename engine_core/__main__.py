@@ -1,3 +1,3 @@
-from engine_core.core import main
+from engine_core.main import main
 
 raise SystemExit(main())

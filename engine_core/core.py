@@ -7,38 +7,36 @@ otherwise drain every pending message without blocking, ``step()`` once, and
 send each gateway all of the step's deltas in one message.
 
 Tokenisation, chat templates and detokenisation happen here, so gateways never
-import torch or vLLM.
+import torch or vLLM. The process's start (sockets, the worker group, vLLM's
+engine) is ``engine_core/main.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import logging
-import os
-import signal
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 
-from servectl.wire import engine as P
-from engine_core.signing import Signer, read_key
-from engine_core.worker_group import engine_batch_queue
+from engine_core.outputs import OutputBuilder
+from engine_core.worker_group import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
-from servectl.wire.spawn import EngineSpec, engine_component, engine_identity, read_spec_fd
-from servectl.paths import RuntimePaths, bind_private
-from servectl.proc import die_with_parent, setup_child_logging
+from servectl.wire import engine as P
+from servectl.wire.spawn import EngineSpec
 
 log = logging.getLogger("engine_core")
-# "module:function" building the engine from the EngineSpec instead of vLLM's
-# LLMEngine (for bench/'s zero-cost token source). Unset in production.
-ENGINE_FACTORY_ENV = "SERVECTL_ENGINE_FACTORY"
+# While requests run, adding new ones (tokenising, chat templates) gets this much time
+# between two steps; the rest wait for the next gap, so a large batch arriving does not
+# stall the tokens of requests already running. An idle engine adds everything at once.
+ADD_BUDGET_S = 0.01
+# Exit status when a step failed: the engine's state is unknown, the manager restarts the group.
+EXIT_STEP_FAILED = 70
+
+
+class StepFailed(RuntimeError):
+    """``LLMEngine.step`` raised: which request, if any, caused it is unknown."""
 
 
 class BadRequest(Exception):
@@ -69,11 +67,14 @@ class EngineServer:
         self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freezing and spec.freeze_grace_s > 0 else None
         self.owner: dict[str, bytes] = {}  # request id -> gateway identity
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)
+        # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
+        self.pending: dict[str, tuple[bytes, P.Generate]] = {}
         self.prompt_sent: set[str] = set()
+        self.outputs = OutputBuilder(self.tokenizer)
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
-        self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._add, P.Abort: self._on_abort,
+        self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
                            P.Stats: self._on_stats}
         self.on_control = {MP.AbortPeer: self._on_abort_peer, MP.Drain: self._on_drain,
                            MP.FreezingControl: self._on_freezing}
@@ -89,7 +90,7 @@ class EngineServer:
         # keep stepping until it is empty, so workers never freeze under a batch.
         in_flight = engine_batch_queue(self.engine)
         while True:
-            busy = self.engine.has_unfinished_requests() or bool(in_flight)
+            busy = self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
             if busy:
                 timeout = 0
             elif self.group.frozen or self.freeze_grace_ms is None:
@@ -105,6 +106,8 @@ class EngineServer:
                 self._drain_frontend()
             if self.control in events:
                 self._drain_control()
+            if self.pending:
+                self._add_pending()
             if self.engine.has_unfinished_requests() or in_flight:
                 self._step()
                 idle_since = time.monotonic()
@@ -137,13 +140,15 @@ class EngineServer:
         self._abort(msg.request_ids)
 
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
+        missing = [rid for rid in msg.request_ids if rid not in self.owner and rid not in self.pending]
         self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
-                                      unfinished=self.engine.get_num_unfinished_requests(),
+                                      unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
                                       overlapped_steps=self.group.overlapped_steps,
-                                      rejected_frames=self.rejected))
+                                      rejected_frames=self.rejected, missing=missing))
 
     def _check_drained(self) -> None:
-        if self.draining and not self.drain_reported and not self.engine.has_unfinished_requests():
+        if (self.draining and not self.drain_reported and not self.engine.has_unfinished_requests()
+                and not self.pending):
             self.drain_reported = True
             self.control.send(MP.encoder.encode(MP.GroupDrained(model=self.spec.model.name,
                                                                 incarnation=self.spec.incarnation)))
@@ -192,36 +197,56 @@ class EngineServer:
             log.warning("cannot send to %r: %s", peer, exc)
 
     # ---- requests --------------------------------------------------------------
+    def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
+        rid = msg.request_id
+        if rid in self.owner or rid in self.pending:
+            self._refuse(peer, rid, f"duplicate request id {rid}", 400)
+            return
+        self.pending[rid] = (peer, msg)
+
+    def _add_pending(self) -> None:
+        """Add what arrived, all of it when idle, else for ADD_BUDGET_S (at least one)."""
+        budget = None if not self.engine.has_unfinished_requests() else time.monotonic() + ADD_BUDGET_S
+        while self.pending:
+            rid = next(iter(self.pending))
+            peer, msg = self.pending.pop(rid)
+            self._add(peer, msg)
+            if budget is not None and time.monotonic() >= budget:
+                return
+
+    def _refuse(self, peer: bytes, rid: str, message: str, status: int, param: str | None = None) -> None:
+        self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, message=message,
+                                        status=status, param=param))
+
     def _add(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
         if self.draining:
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=f"model {self.spec.model.name!r} is being stopped", status=503))
-            return
-        if rid in self.owner:
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=f"duplicate request id {rid}", status=400))
+            self._refuse(peer, rid, f"model {self.spec.model.name!r} is being stopped", 503)
             return
         try:
             prompt, params = self._build(msg)
             self.engine.add_request(rid, prompt, params)
-        except BadRequest as exc:
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=str(exc), status=400, param=exc.param))
-            return
-        except (ValueError, TypeError) as exc:
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                                            status=400))
-            return
         except Exception as exc:  # one request's failure never takes the engine down
-            # Admission only looks at the request itself, so whatever it rejects is bad input.
-            log.warning("request %s rejected at admission: %r", rid, exc)
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid,
-                                            message=f"invalid request: {exc}", status=400))
+            # vLLM may have registered part of it before refusing: drop whatever it holds.
+            self._drop(rid)
+            if isinstance(exc, BadRequest):
+                self._refuse(peer, rid, str(exc), 400, exc.param)
+            elif isinstance(exc, (ValueError, TypeError)):
+                self._refuse(peer, rid, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 400)
+            else:
+                # Admission only looks at the request itself, so whatever it rejects is bad input.
+                log.warning("request %s rejected at admission: %r", rid, exc)
+                self._refuse(peer, rid, f"invalid request: {exc}", 400)
             return
         self.owner[rid] = peer
         self.by_peer[peer].add(rid)
+
+    def _drop(self, rid: str) -> None:
+        """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
+        try:
+            self.engine.abort_request([rid])
+        except Exception:  # noqa: BLE001 - nothing more can be done for it
+            log.exception("dropping request %s", rid)
 
     def _build(self, msg: P.Generate):
         from vllm.inputs import TokensPrompt
@@ -264,6 +289,8 @@ class EngineServer:
         return TokensPrompt(prompt_token_ids=ids), params
 
     def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.pending.pop(rid, None)
         live = [i for i in ids if i in self.owner]
         if live:
             self.engine.abort_request(live)
@@ -281,7 +308,12 @@ class EngineServer:
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except WorkerHung:
+            raise
+        except Exception as exc:  # a worker's error, or vLLM's: its state is unknown now
+            raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
         batches: dict[bytes, list[P.Delta]] = defaultdict(list)
         for ro in outputs:
             rid = ro.request_id
@@ -291,152 +323,18 @@ class EngineServer:
             first = rid not in self.prompt_sent
             if first:
                 self.prompt_sent.add(rid)
-            for comp in ro.outputs:
-                delta = P.Delta(request_id=rid, index=comp.index, text=comp.text,
-                                token_ids=list(comp.token_ids), finish_reason=comp.finish_reason,
-                                stop_reason=comp.stop_reason)
-                if first:
-                    delta.prompt_tokens = len(ro.prompt_token_ids or ())
-                    if ro.prompt_logprobs is not None:
-                        delta.prompt_logprobs = self._prompt_logprobs(ro)
-                        # Echo returns the prompt as text, without BOS and other specials.
-                        delta.prompt_text = self.tokenizer.decode(ro.prompt_token_ids, skip_special_tokens=True)
-                if comp.logprobs:
-                    delta.logprobs = self._logprobs(comp.token_ids, comp.logprobs)
-                batches[peer].append(delta)
+            try:
+                batches[peer].extend(self.outputs.deltas(ro, first))
+            except Exception as exc:  # this request's output only: it fails, the others go on
+                log.exception("building the output of request %s", rid)
+                self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
+                continue
             if ro.finished:
                 self._forget(rid)
         for peer, deltas in batches.items():
             self._send(peer, P.StepOutput(incarnation=self.spec.incarnation, deltas=deltas))
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _logprobs(self, token_ids, logprobs) -> list[Any]:
-        out = []
-        for tid, alts in zip(token_ids, logprobs):
-            chosen = alts.get(tid)
-            top = sorted(alts.items(), key=lambda kv: kv[1].rank or 0)
-            out.append([
-                self._token_text(tid),
-                chosen.logprob if chosen else None,
-                [[self._token_text(t), lp.logprob] for t, lp in top if t != tid or lp.rank is not None],
-            ])
-        return out
-
-    def _prompt_logprobs(self, ro) -> list[Any]:
-        out = []
-        for tid, alts in zip(ro.prompt_token_ids, ro.prompt_logprobs):
-            chosen = alts.get(tid) if alts else None
-            top = sorted(alts.items(), key=lambda kv: kv[1].rank or 0) if alts else []
-            out.append([self._token_text(tid), chosen.logprob if chosen else None,
-                        [[self._token_text(t), lp.logprob] for t, lp in top]])
-        return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine_core")
-    ap.add_argument("--spec-fd", type=int, help="a memfd holding the EngineSpec as JSON (from the manager)")
-    ap.add_argument("--key-fd", type=int)
-    ap.add_argument("--worker-pidfds", default="")
-    ap.add_argument("--check", action="store_true", help="validate engine arguments and exit")
-    ap.add_argument("--engine-args", help="with --check: engine arguments as JSON")
-    args = ap.parse_args(argv)
-    if args.check:
-        return check_engine_args(json.loads(args.engine_args or "{}"))
-    spec = read_spec_fd(args.spec_fd, EngineSpec)
-    die_with_parent()
-    setup_child_logging(f"engine_core[{spec.model.name}]")
-    key = read_key(args.key_fd)
-    pidfds = [int(x) for x in args.worker_pidfds.split(",") if x]
-    paths = RuntimePaths(Path(spec.runtime_dir))
-    ctx = zmq.Context()
-    control = ctx.socket(zmq.DEALER)
-    control.setsockopt(zmq.IDENTITY, engine_identity(spec.model.name))
-    control.setsockopt(zmq.LINGER, 1000)
-    control.connect(RuntimePaths.ipc(paths.control))
-    frontend = ctx.socket(zmq.ROUTER)
-    frontend.setsockopt(zmq.LINGER, 0)
-    # A gateway that reconnects keeps its identity (gw-<index>-<pid>). Without
-    # handover a ROUTER that still holds the old connection takes the new one
-    # for a duplicate and silently eats its first message (the Hello): that
-    # gateway would wait for this engine forever.
-    frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    bind_private(frontend, paths.engine(spec.model.name))
-
-    def report_freeze(frozen: bool) -> None:
-        control.send(MP.encoder.encode(MP.GroupFrozen(model=spec.model.name, frozen=frozen)))
-
-    from engine_core import executor as ex
-
-    tp = spec.model.tensor_parallel_size
-    group = ex.WorkerGroup(
-        worker_paths=[str(paths.worker(spec.model.name, r)) for r in range(tp)],
-        pidfds=pidfds,
-        signer=Signer(key),
-        reply_timeout_s=spec.worker_reply_timeout_s,
-        distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
-        on_freeze_change=report_freeze,
-    )
-    group.connect(ctx)
-    ex.GROUP = group
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    factory = os.environ.get(ENGINE_FACTORY_ENV)
-    try:
-        if factory:
-            # The documented hook for benchmarks (bench/zero_cost.py): anything
-            # with LLMEngine's add_request/step/abort_request surface.
-            module, _, name = factory.partition(":")
-            engine = getattr(importlib.import_module(module), name)(spec)
-            log.warning("engine built by %s, not vLLM's LLMEngine", factory)
-        else:
-            if spec.model.engine_args.get("async_scheduling") is True:
-                ex.honour_async_scheduling_on_cpu()
-            engine = LLMEngine.from_engine_args(EngineArgs(
-                model=spec.model.model,
-                tensor_parallel_size=tp,
-                distributed_executor_backend=ex.ZmqExecutor,
-                **spec.model.engine_args,
-            ))
-    except ex.WorkerHung as exc:
-        log.error("engine start failed: %s", exc)
-        return 75
-    server = EngineServer(spec, engine, group, frontend, control)
-    control.send(MP.encoder.encode(MP.ChildReady(
-        component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
-        detail=json.dumps({"max_model_len": server.max_model_len}))))
-    log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
-    # The executor's counters (async scheduling overlap) go to the log at shutdown,
-    # which is a SIGTERM from the manager: log, then die of it as before.
-    def log_counters_and_die(signum, frame) -> None:
-        log.info("stopping: %s", group.counters())
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, log_counters_and_die)
-    try:
-        server.run()
-    except ex.WorkerHung as exc:
-        log.error("%s: the group is hung; exiting so the manager restarts it", exc)
-        return 75
-    finally:
-        log.info("executor: %s", group.counters())
-    return 0
-
-
-def check_engine_args(engine_args: dict[str, Any]) -> int:
-    """`python -m engine_core --check`: let vLLM itself judge engine arguments."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    try:
-        EngineArgs(model="x", **engine_args)
-    except TypeError as exc:
-        print(f"invalid engine argument: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        print(f"invalid engine arguments: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+    def _fail(self, peer: bytes, rid: str, message: str) -> None:
+        self._drop(rid)
+        self._forget(rid)
+        self._refuse(peer, rid, message, 500)

@@ -39,7 +39,7 @@ def preload() -> None:
     from vllm.v1.serial_utils import run_method  # noqa: F401
     from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: F401
 
-    import engine_core.core  # noqa: F401
+    import engine_core.main  # noqa: F401
     import engine_core.executor  # noqa: F401
     import engine_core.worker  # noqa: F401
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     role_argv = resolve_fd_args(role.argv, fds)
     sys.argv = [f"python -m {role.module}", *role_argv]
     if role.module == "engine_core":
-        from engine_core.core import main as role_main
+        from engine_core.main import main as role_main
     else:
         from engine_core.worker import main as role_main
     return role_main(role_argv)

@@ -73,7 +73,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                   EP.Generate(request_id="r3", messages=[{"role": "user", "content": "hi"}],
                               structured={"json_object": True})],
     EP.Abort: [EP.Abort(request_ids=["r1", "r2"])],
-    EP.Stats: [EP.Stats()],
+    EP.Stats: [EP.Stats(), EP.Stats(request_ids=["r1", "r2"])],
     # engine: engine → gateway
     EP.HelloReply: [EP.HelloReply(version=1, incarnation="abc", model="m.1", max_model_len=512, max_num_seqs=8,
                                   rejected_frames=3)],
@@ -87,7 +87,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.RequestError: [EP.RequestError(incarnation="abc", request_id="r1", message="too long", status=503,
                                       param="max_tokens")],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
-                                 overlapped_steps=5)],
+                                 overlapped_steps=5, missing=["r3"])],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0)],

@@ -45,7 +45,10 @@ class Abort(_Msg, tag="abort"):
 
 
 class Stats(_Msg, tag="stats"):
-    """Ask for the engine's counters (sent when /metrics is scraped)."""
+    """Ask for the engine's counters (sent when /metrics is scraped), and whether it still
+    holds ``request_ids`` (a request that waited long for output: queued, or lost?)."""
+
+    request_ids: list[str] = []
 
 
 FromGateway = Union[Hello, Generate, Abort, Stats]
@@ -99,6 +102,8 @@ class StatsReply(_Msg, tag="stats_reply"):
     # Steps whose execute_model went to the workers before the previous step's
     # reply arrived (async scheduling's overlap); 0 when it is off.
     overlapped_steps: int = 0
+    # Those of the probe's request_ids the engine does not hold (never received, or finished).
+    missing: list[str] = []
 
 
 ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply]

@@ -1,0 +1,147 @@
+"""``python -m engine_core``: start one served model's engine process.
+
+Connects the control socket, binds the gateway-facing ROUTER, builds the
+worker group and vLLM's ``LLMEngine`` with ``ZmqExecutor`` (or what
+``SERVECTL_ENGINE_FACTORY`` names, for benchmarks), says ready, and runs
+``EngineServer``'s loop (core.py). Exits 75 when the group is hung and 70 when
+a step failed (the engine's state is unknown): the manager restarts the group.
+``--check`` lets vLLM judge engine arguments for ``servectl config check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engine_core.core import EXIT_STEP_FAILED, EngineServer, StepFailed
+from engine_core.signing import Signer, read_key
+from servectl.paths import RuntimePaths, bind_private
+from servectl.proc import die_with_parent, setup_child_logging
+from servectl.wire import control as MP
+from servectl.wire.spawn import EngineSpec, engine_component, engine_identity, read_spec_fd
+
+log = logging.getLogger("engine_core")
+# "module:function" building the engine from the EngineSpec instead of vLLM's
+# LLMEngine (for bench/'s zero-cost token source). Unset in production.
+ENGINE_FACTORY_ENV = "SERVECTL_ENGINE_FACTORY"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine_core")
+    ap.add_argument("--spec-fd", type=int, help="a memfd holding the EngineSpec as JSON (from the manager)")
+    ap.add_argument("--key-fd", type=int)
+    ap.add_argument("--worker-pidfds", default="")
+    ap.add_argument("--check", action="store_true", help="validate engine arguments and exit")
+    ap.add_argument("--engine-args", help="with --check: engine arguments as JSON")
+    args = ap.parse_args(argv)
+    if args.check:
+        return check_engine_args(json.loads(args.engine_args or "{}"))
+    spec = read_spec_fd(args.spec_fd, EngineSpec)
+    die_with_parent()
+    setup_child_logging(f"engine_core[{spec.model.name}]")
+    key = read_key(args.key_fd)
+    pidfds = [int(x) for x in args.worker_pidfds.split(",") if x]
+    paths = RuntimePaths(Path(spec.runtime_dir))
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.DEALER)
+    control.setsockopt(zmq.IDENTITY, engine_identity(spec.model.name))
+    control.setsockopt(zmq.LINGER, 1000)
+    control.connect(RuntimePaths.ipc(paths.control))
+    frontend = ctx.socket(zmq.ROUTER)
+    frontend.setsockopt(zmq.LINGER, 0)
+    # A gateway that reconnects keeps its identity (gw-<index>-<pid>). Without
+    # handover a ROUTER that still holds the old connection takes the new one
+    # for a duplicate and silently eats its first message (the Hello): that
+    # gateway would wait for this engine forever.
+    frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    bind_private(frontend, paths.engine(spec.model.name))
+
+    def report_freeze(frozen: bool) -> None:
+        control.send(MP.encoder.encode(MP.GroupFrozen(model=spec.model.name, frozen=frozen)))
+
+    from engine_core import executor as ex
+
+    tp = spec.model.tensor_parallel_size
+    group = ex.WorkerGroup(
+        worker_paths=[str(paths.worker(spec.model.name, r)) for r in range(tp)],
+        pidfds=pidfds,
+        signer=Signer(key),
+        reply_timeout_s=spec.worker_reply_timeout_s,
+        distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
+        on_freeze_change=report_freeze,
+    )
+    group.connect(ctx)
+    ex.GROUP = group
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    factory = os.environ.get(ENGINE_FACTORY_ENV)
+    try:
+        if factory:
+            # The documented hook for benchmarks (bench/zero_cost.py): anything
+            # with LLMEngine's add_request/step/abort_request surface.
+            module, _, name = factory.partition(":")
+            engine = getattr(importlib.import_module(module), name)(spec)
+            log.warning("engine built by %s, not vLLM's LLMEngine", factory)
+        else:
+            if spec.model.engine_args.get("async_scheduling") is True:
+                ex.honour_async_scheduling_on_cpu()
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                model=spec.model.model,
+                tensor_parallel_size=tp,
+                distributed_executor_backend=ex.ZmqExecutor,
+                **spec.model.engine_args,
+            ))
+    except ex.WorkerHung as exc:
+        log.error("engine start failed: %s", exc)
+        return 75
+    server = EngineServer(spec, engine, group, frontend, control)
+    control.send(MP.encoder.encode(MP.ChildReady(
+        component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
+        detail=json.dumps({"max_model_len": server.max_model_len}))))
+    log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
+    # The executor's counters (async scheduling overlap) go to the log at shutdown,
+    # which is a SIGTERM from the manager: log, then die of it as before.
+    def log_counters_and_die(signum, frame) -> None:
+        log.info("stopping: %s", group.counters())
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, log_counters_and_die)
+    try:
+        server.run()
+    except ex.WorkerHung as exc:
+        log.error("%s: the group is hung; exiting so the manager restarts it", exc)
+        return 75
+    except StepFailed as exc:
+        log.exception("a step failed (%s): the engine's state is unknown; exiting so the manager restarts "
+                      "the group", exc)
+        return EXIT_STEP_FAILED
+    finally:
+        log.info("executor: %s", group.counters())
+    return 0
+
+
+def check_engine_args(engine_args: dict[str, Any]) -> int:
+    """`python -m engine_core --check`: let vLLM itself judge engine arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        EngineArgs(model="x", **engine_args)
+    except TypeError as exc:
+        print(f"invalid engine argument: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"invalid engine arguments: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
