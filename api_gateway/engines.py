@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from api_gateway.errors import EngineRequestError, EngineUnavailable
+from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
 from servectl.wire import engine as EP
 
 __all__ = ["EngineLink", "EngineRequestError", "EngineUnavailable", "LinkState", "RequestStream", "TRANSITIONS"]
@@ -81,11 +81,21 @@ MANAGER_STATES = {
 }
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestStream:
+    """One engine request in flight: its deltas go to ``sink`` as (request id, Delta or exception).
+
+    Every engine request of one HTTP request shares that request's sink, so
+    its reader awaits one queue however many prompts it sent.
+    """
+
     request_id: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sink: asyncio.Queue
     unfinished: int = 1
+
+
+# Sends of one large batch hand the event loop back this often (other clients' tokens go out between).
+YIELD_EVERY = 32
 
 
 class EngineLink:
@@ -107,10 +117,16 @@ class EngineLink:
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}
-        self.waiting = 0  # held until the engine is ready
-        self.admitted = 0  # held or running in the engine, not finished
+        self.waiting = 0  # sequences held until the engine is ready
+        self.admitted = 0  # sequences held or running in the engine, not finished
         self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
+        # A send waits this long for the engine to take it (only a hung engine leaves its queue
+        # full); Gateway sets it from the config.
+        self.send_timeout_s = 120.0
+        self.sndhwm: int | None = None  # zmq's default (1000 frames) unless a test makes it small
+        self._abort_ids: list[str] = []  # aborts not yet on the socket, sent in order by one task
+        self._abort_task: asyncio.Task | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -171,6 +187,8 @@ class EngineLink:
         sock.setsockopt(zmq.IDENTITY, self.identity)
         # Never queue frames for a peer that is not connected (DESIGN.md).
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.connect(f"ipc://{self.socket_path}")
         self.sock = sock
         self.connecting_to = incarnation
@@ -185,9 +203,14 @@ class EngineLink:
             self.sock.close(linger=0)
             self.sock = None
         self.incarnation = self.connecting_to = ""
+        # Aborts for a closed socket are moot: that engine lifetime is over.
+        self._abort_ids.clear()
+        if self._abort_task is not None:
+            self._abort_task.cancel()
+            self._abort_task = None
         streams, self.streams = self.streams, {}
         for stream in streams.values():
-            stream.queue.put_nowait(EngineUnavailable(why, retry_after=5))
+            stream.sink.put_nowait((stream.request_id, EngineUnavailable(why, retry_after=5)))
 
     async def _handshake_then_read(self, sock: zmq.asyncio.Socket, incarnation: str) -> None:
         await sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
@@ -210,7 +233,7 @@ class EngineLink:
             for delta in msg.deltas:
                 stream = self.streams.get(delta.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(delta)
+                    stream.sink.put_nowait((delta.request_id, delta))
                     if delta.finish_reason is not None:
                         stream.unfinished -= 1
                         if stream.unfinished <= 0:
@@ -223,7 +246,7 @@ class EngineLink:
         elif isinstance(msg, EP.RequestError):
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:
-                stream.queue.put_nowait(EngineRequestError(msg.message, msg.status, msg.param))
+                stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))
 
     def _on_hello(self, msg: EP.HelloReply, incarnation: str) -> None:
         if msg.version != EP.PROTOCOL_VERSION:
@@ -240,7 +263,7 @@ class EngineLink:
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)
 
     # ---- requests --------------------------------------------------------------
-    async def wait_ready(self, timeout_s: float) -> None:
+    async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
         if self.state is S.READY:
             return
         if self.state is S.FAILED:
@@ -248,8 +271,9 @@ class EngineLink:
                                     f"an operator must run `servectl restart {self.model}`", retry_after=None)
         if self.state is S.REMOVED:
             raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
-        self.waiting += 1
+        self.waiting += sequences
         try:
+            # event-proof: the hold timeout, armed only while a request waits for its engine.
             await asyncio.wait_for(self.ready.wait(), timeout_s)
             if self.state is S.REMOVED:
                 raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
@@ -257,41 +281,97 @@ class EngineLink:
             raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after waiting "
                                     f"{timeout_s:g}s", retry_after=10) from None
         finally:
-            self.waiting -= 1
+            self.waiting -= sequences
 
-    def submit(self, gen: EP.Generate, choices: int) -> RequestStream:
+    async def submit(self, frames: list[tuple[str, bytes]], choices: int, sink: asyncio.Queue) -> None:
+        """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order.
+
+        Every frame is on the engine's socket when this returns. Otherwise (the engine went
+        away, a send found the engine not taking frames for ``send_timeout_s``, the caller
+        was cancelled) what was sent is aborted, nothing stays registered, and it raises
+        (``EngineUnavailable``, or the cancellation).
+        """
         if self.state is not S.READY:
             raise EngineUnavailable(f"model {self.model!r} is restarting")
-        stream = RequestStream(gen.request_id, unfinished=choices)
-        self.streams[gen.request_id] = stream
+        sock = self.sock
+        rids = [rid for rid, _ in frames]
+        for rid in rids:
+            self.streams[rid] = RequestStream(rid, sink, unfinished=choices)
         try:
-            self.sock.send(EP.encoder.encode(gen), zmq.NOBLOCK)
+            for i, (_, frame) in enumerate(frames):
+                await self._send(sock, frame, "a request")
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    # A cooperative yield, not a timed wait: a large batch lets other
+                    # requests' tokens out between its sends.
+                    await asyncio.sleep(0)
+        except BaseException:
+            self.abort(rids)
+            raise
+
+    async def _send(self, sock: zmq.asyncio.Socket, frame: bytes, what: str) -> None:
+        """One awaited send on ``sock``: taken by the socket, or ``EngineUnavailable``."""
+        if sock is None or sock is not self.sock:
+            raise EngineUnavailable(f"model {self.model!r} is restarting")
+        try:
+            # event-proof: the send completes as soon as the engine reads its socket (between
+            # steps); only a hung engine lets this deadline pass.
+            async with asyncio.timeout(self.send_timeout_s):
+                await sock.send(frame)
+        except TimeoutError:
+            raise EngineStalled(f"model {self.model!r} did not take {what} for {self.send_timeout_s:g}s",
+                                retry_after=10) from None
+        except asyncio.CancelledError:
+            # Closing the socket (the engine went away) cancels the send's future, not us.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise EngineUnavailable(f"model {self.model!r} is restarting") from None
         except zmq.ZMQError as exc:
-            self.streams.pop(gen.request_id, None)
             raise EngineUnavailable(f"model {self.model!r} is not reachable: {exc}") from None
-        return stream
 
-    def queued(self) -> int:
-        """Requests waiting: held for readiness, or beyond what the engine runs at once."""
-        return max(self.waiting, self.admitted - self.max_num_seqs)
+    def queued(self, more: int = 0) -> int:
+        """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what
+        the engine runs at once."""
+        held = self.waiting + (more if self.state is not S.READY else 0)
+        return max(held, self.admitted + more - self.max_num_seqs)
 
-    async def stats(self, timeout_s: float = 2.0) -> EP.StatsReply | None:
-        """The engine's own counters, or None when it is not reachable now."""
+    async def stats(self, timeout_s: float = 2.0, request_ids: list[str] | None = None) -> EP.StatsReply | None:
+        """The engine's own counters (and which of ``request_ids`` it does not know), or None
+        when it does not answer now."""
         if self.sock is None or not self.incarnation:  # no engine lifetime has answered our Hello
             return None
         fut = asyncio.get_running_loop().create_future()
         self.stats_waiters.append(fut)
         try:
-            await self.sock.send(EP.encoder.encode(EP.Stats()), zmq.NOBLOCK)
+            await self._send(self.sock, EP.encoder.encode(EP.Stats(request_ids=request_ids or [])), "a probe")
+            # event-proof: the engine answers between steps; a bounded wait for that answer.
             return await asyncio.wait_for(fut, timeout_s)
-        except (zmq.ZMQError, asyncio.TimeoutError):
+        except (EngineUnavailable, asyncio.TimeoutError):
             return None
+        finally:
+            if fut in self.stats_waiters:
+                self.stats_waiters.remove(fut)
 
-    def abort(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is None:
+    def abort(self, request_ids: list[str]) -> None:
+        """Forget these requests and tell the engine to drop those still registered (in order,
+        after anything already sent for them)."""
+        ids = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+        if not ids or self.sock is None:
             return
-        if self.sock is not None:
-            try:
-                self.sock.send(EP.encoder.encode(EP.Abort(request_ids=[request_id])), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._abort_ids.extend(ids)
+        if self._abort_task is None:
+            self._abort_task = asyncio.get_running_loop().create_task(self._flush_aborts(self.sock))
+
+    async def _flush_aborts(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while self._abort_ids and sock is self.sock:
+                ids, self._abort_ids = self._abort_ids, []
+                try:
+                    await self._send(sock, EP.encoder.encode(EP.Abort(request_ids=ids)), "an abort")
+                except EngineUnavailable as exc:
+                    # Not taken: that engine is gone or hung, and its restart drops them anyway.
+                    log.warning("%d abort(s) not delivered: %s", len(ids), exc)
+                    return
+        finally:
+            if self._abort_task is asyncio.current_task():
+                self._abort_task = None

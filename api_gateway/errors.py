@@ -34,6 +34,10 @@ class EngineUnavailable(Exception):
         self.retry_after = retry_after
 
 
+class EngineStalled(EngineUnavailable):
+    """The engine did not take a frame for the send deadline: it is not reading (hung)."""
+
+
 class EngineRequestError(Exception):
     """The engine refused one request (a RequestError frame: too long a prompt, a bad parameter)."""
 

@@ -9,6 +9,7 @@ manager sends it new API keys there when a reload rotates them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -28,7 +29,7 @@ class ManagerLink:
     """Events in, the gateway's reports out; owner of the model name → ``EngineLink`` map."""
 
     def __init__(self, paths: RuntimePaths, identity: str, ctx: zmq.asyncio.Context, models: list[str],
-                 metrics: Metrics, count_restarts: bool):
+                 metrics: Metrics, count_restarts: bool, send_timeout_s: float = 120.0):
         self.paths = paths
         self.identity = identity
         self.ctx = ctx
@@ -36,14 +37,18 @@ class ManagerLink:
         # Every gateway sees every event: one of them (index 0) counts restarts, so the
         # multiprocess sum of the counter is the number of restarts.
         self.count_restarts = count_restarts
+        self.send_timeout_s = send_timeout_s
         self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
+        self._reports: set[asyncio.Task] = set()
         self.sub: zmq.asyncio.Socket | None = None
         self.control: zmq.asyncio.Socket | None = None
         self.component = ""  # ours in the manager's words (set by send_ready)
         self.on_api_keys = lambda keys: None  # a reload rotated the API keys
 
     def _new_link(self, model: str) -> EngineLink:
-        return EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode())
+        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode())
+        link.send_timeout_s = self.send_timeout_s
+        return link
 
     def connect(self) -> None:
         self.sub = self.ctx.socket(zmq.SUB)
@@ -107,8 +112,15 @@ class ManagerLink:
 
     def report_hang(self, link: EngineLink) -> None:
         """Tell the manager a model produced nothing and did not answer Stats: it restarts the group."""
+        msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
+        task = asyncio.get_running_loop().create_task(self._report(msg))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, body: bytes) -> None:
         try:
-            self.control.send(MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation)),
-                              zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+            # event-proof: the manager reads its control socket at once; bounded all the same.
+            async with asyncio.timeout(10):
+                await self.control.send(body)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.error("could not report to the manager: %s", exc)
