@@ -14,6 +14,7 @@ import hmac
 import itertools
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -29,6 +30,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.errors import EngineUnavailable, HttpError, error_body, http_error_body, unavailable, validation_error
 from api_gateway.generate import Generator
 from api_gateway.http_policy import CorsPolicy, HostPolicy, is_json_content_type
+from api_gateway.http_server import make_runner
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.translate import chat_messages, generate_messages, normalize_prompts
@@ -42,8 +44,23 @@ access_log = logging.getLogger("api_gateway.access")
 
 
 def error_response(exc: HttpError) -> web.Response:
-    return web.Response(status=exc.status, body=http_error_body(exc), content_type="application/json",
+    resp = web.Response(status=exc.status, body=http_error_body(exc), content_type="application/json",
                         headers=exc.headers)
+    if exc.status in (408, 413):
+        resp.force_close()  # the body was not read: the connection cannot carry another request
+    return resp
+
+
+# What the access log must not write raw: control characters (a newline forges a line),
+# backslashes and spaces (its field separators), undecodable bytes (surrogates), line separators.
+_UNSAFE = re.compile(r"[\x00-\x20\x7f-\xa0\\\u2028\u2029\ud800-\udfff]")
+# An X-Request-Id we echo back and log: a client's, if it is plain enough, else our own.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+def escape(text: str) -> str:
+    """One log field: unsafe characters as \\xNN / \\uNNNN escapes."""
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}", text)
 
 
 class Gateway:
@@ -55,10 +72,11 @@ class Gateway:
         self.ctx = zmq.asyncio.Context()
         self.metrics = Metrics()
         self.manager = ManagerLink(self.paths, self.identity, self.ctx, list(spec.models), self.metrics,
-                                   count_restarts=spec.index == 0)
+                                   count_restarts=spec.index == 0, send_timeout_s=self.cfg.output_timeout_s)
         # The same dict as the manager link's: it adds and drops models as the manager says.
         self.links = self.manager.links
-        self.generator = Generator(self.cfg, self.metrics, self.new_request_id, self.manager.report_hang)
+        self.generator = Generator(self.cfg, self.metrics, self.new_request_id,
+                                   lambda link: self.manager.report_hang(link))
         self.ids = itertools.count(1)
         self.id_prefix = f"{spec.index}{os.getpid():x}{secrets.token_hex(3)}"
         self.draining = False
@@ -84,7 +102,9 @@ class Gateway:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         started = time.monotonic()
-        rid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
+        rid = request.headers.get("X-Request-Id", "")
+        if not _REQUEST_ID.fullmatch(rid):
+            rid = secrets.token_hex(8)
         request["request_id"] = rid
         request["log"] = {}
         try:
@@ -100,6 +120,10 @@ class Gateway:
                 if self.keys and request.path.startswith("/v1/"):
                     self.check_auth(request)
                 response = await handler(request)
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels the handler): whatever it ran is aborted.
+            self.access(request, 499, started, rid)
+            raise
         except HttpError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:
@@ -114,18 +138,24 @@ class Gateway:
             response = error_response(HttpError(500, "internal error", "internal_error"))
         if not response.prepared:
             response.headers["X-Request-Id"] = rid
-        info = request["log"]
-        status = response.status
-        access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s", request.method,
-                        request.path, status, info.get("model", "-"), info.get("prompt_tokens", "-"),
-                        info.get("completion_tokens", "-"), (time.monotonic() - started) * 1000, rid)
-        self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
-                                     status=str(status)).inc()
+        self.access(request, 499 if request["log"].get("client") == "gone" else response.status, started, rid)
         return response
 
+    def access(self, request: web.Request, status: int, started: float, rid: str) -> None:
+        """The access log line (every client-given field escaped) and the request counter."""
+        info = request["log"]
+        access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
+                        escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
+                        info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
+                        (time.monotonic() - started) * 1000, rid)
+        self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
+                                     status=str(status)).inc()
+
     def check_auth(self, request: web.Request) -> None:
-        header = request.headers.get("Authorization", "")
-        token = header[7:].encode() if header.startswith("Bearer ") else b""
+        # Header values arrive decoded with surrogateescape: encode them back the same way,
+        # so bytes that are not UTF-8 are just a wrong key.
+        header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        token = header[7:] if header.startswith(b"Bearer ") else b""
         ok = False
         for key in self.keys:  # constant-time per key; every key is compared
             ok |= hmac.compare_digest(token, key)
@@ -151,13 +181,20 @@ class Gateway:
             raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                                  f"{self.cfg.max_body_bytes}")
         try:
-            body = await request.read()
+            # event-proof: a client sending its body; past the deadline it is a 408.
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes") from None
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
+                            code="body_timeout") from None
         try:
             raw = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             raise HttpError(400, f"invalid JSON: {exc}") from None
+        except RecursionError:
+            raise HttpError(400, "invalid JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise HttpError(400, "the request body must be a JSON object")
         named = [k for k in unsupported if raw.get(k) not in (None, [], {}) and not (k == "best_of" and raw[k] == 1)]
@@ -168,6 +205,8 @@ class Gateway:
             return msgspec.convert(raw, typ)
         except msgspec.ValidationError as exc:
             raise validation_error(exc) from None
+        except RecursionError:
+            raise HttpError(400, "the request is nested too deeply") from None
 
     def link_for(self, model: str) -> EngineLink:
         link = self.links.get(model)
@@ -233,29 +272,37 @@ class Gateway:
 
     # ---- admission --------------------------------------------------------------------------
     async def serve(self, request: web.Request, req, prompts: list, chat: bool) -> web.StreamResponse:
-        link = self.link_for(req.model)
         request["log"]["model"] = req.model
+        link = self.link_for(req.model)
         if self.draining:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        if link.queued() >= self.cfg.max_waiting_per_model:
-            # Admission control (per gateway process): the engine's queue is full.
+        # Admission counts sequences (prompts × n), the engine's unit of work.
+        seqs = len(prompts) * req.n
+        cap = self.cfg.max_sequences_per_request
+        if seqs > cap:
+            raise HttpError(400, f"{len(prompts)} prompt(s) × n={req.n} is {seqs} sequences; at most {cap} per "
+                                 "request", param="prompt" if len(prompts) > 1 else "n", code="too_many_sequences")
+        # Per gateway process: sequences beyond what the engine runs at once. A request alone
+        # in the queue is always admitted (it fits the per-request cap).
+        if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
             raise HttpError(429, f"too many requests waiting for model {req.model!r} "
-                                 f"(limit {self.cfg.max_waiting_per_model})", "rate_limit_error",
+                                 f"(limit {self.cfg.max_waiting_per_model} sequences)", "rate_limit_error",
                             code="too_many_waiting", headers={"Retry-After": "1"})
         base = self.new_request_id()
         gens = generate_messages(req, prompts, chat, self.new_request_id)
+        run = self.generator.run(link, gens, req.n)  # a request the engine cannot take is a 400 here
         self.in_flight += 1
-        link.admitted += 1
+        link.admitted += seqs
         self.idle.clear()
         try:
             try:
-                await link.wait_ready(self.cfg.hold_timeout_s)
+                await link.wait_ready(self.cfg.hold_timeout_s, seqs)
             except EngineUnavailable as exc:
                 raise unavailable(exc) from None
-            return await self.generator.respond(request, req, link, gens, chat, base)
+            return await self.generator.respond(request, req, run, chat, base)
         finally:
             self.in_flight -= 1
-            link.admitted -= 1
+            link.admitted -= seqs
             if self.in_flight == 0:
                 self.idle.set()
 
@@ -282,7 +329,7 @@ class Gateway:
         self.manager.connect()
         follower = loop.create_task(self.manager.follow())
         sock = socket.socket(fileno=listen_fd)
-        runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        runner = make_runner(self.build_app(), self.cfg)
         await runner.setup()
         site = web.SockSite(runner, sock)
         await site.start()

@@ -8,10 +8,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+# Integers travel to the engine as msgpack, which holds 64 bits: every integer a
+# client sends is bounded here, so an out-of-range one is a 400 naming its field
+# (vLLM bounds `seed` to int64 the same way).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+# vLLM's SamplingParams: temperature in [0, 2] (it answers 400 beyond).
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 N = Annotated[int, Meta(ge=1, le=64)]
 
 
@@ -35,9 +41,9 @@ class _Sampling(Struct, kw_only=True):
     model: str
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     n: N = 1
     stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None

@@ -34,15 +34,20 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
         return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
     if token_ids(prompt):
-        return [prompt]
-    if all(isinstance(p, str) for p in prompt):
+        prompts = [prompt]
+    elif all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(token_ids(p) for p in prompt):
+    elif all(token_ids(p) for p in prompt):
         if any(not p for p in prompt):
             raise HttpError(400, "token id lists must not be empty", param="prompt")
-        return list(prompt)
-    raise HttpError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
-                    param="prompt")
+        prompts = list(prompt)
+    else:
+        raise HttpError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
+                        param="prompt")
+    # The engine checks them against its vocabulary; here only what no vocabulary holds.
+    if any(t < 0 or t > H.INT64_MAX for p in prompts for t in p):
+        raise HttpError(400, "token ids must be non-negative 64-bit integers", param="prompt")
+    return prompts
 
 
 def chat_messages(messages: list[H.ChatMessage]) -> list[dict[str, Any]]:
@@ -56,6 +61,8 @@ def chat_messages(messages: list[H.ChatMessage]) -> list[dict[str, Any]]:
             parts = m["content"]
             if any(p.get("type") != "text" for p in parts):
                 raise HttpError(400, "only text content parts are supported", param="messages")
+            if any(not isinstance(p.get("text", ""), str) for p in parts):
+                raise HttpError(400, "a text content part's `text` must be a string", param="messages")
             m["content"] = "".join(p.get("text", "") for p in parts)
         if m.get("content") is None:
             m["content"] = ""
@@ -72,6 +79,13 @@ def sampling_params(req, chat: bool) -> tuple[dict[str, Any], dict[str, Any] | N
             s[name] = value
     if req.stop is not None:
         s["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if not all(s["stop"]):
+            raise HttpError(400, "stop strings must not be empty", param="stop")  # as vLLM
+    if req.n > 1 and req.temperature is not None and req.temperature < 1e-5:
+        raise HttpError(400, f"n must be 1 when using greedy sampling (temperature 0), got {req.n}",
+                        param="n")  # as vLLM
+    if req.stream_options is not None and not req.stream:
+        raise HttpError(400, "stream_options can only be given with stream: true", param="stream_options")
     if req.ignore_eos:
         s["ignore_eos"] = True
     # The chat API renamed max_tokens to max_completion_tokens; the new name wins.
@@ -83,6 +97,9 @@ def sampling_params(req, chat: bool) -> tuple[dict[str, Any], dict[str, Any] | N
             s["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError:
             raise HttpError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        # The engine checks them against its vocabulary; here only what no vocabulary holds.
+        if any(t < 0 or t > H.INT64_MAX for t in s["logit_bias"]):
+            raise HttpError(400, "logit_bias keys must be non-negative token ids", param="logit_bias")
     if chat:
         if req.logprobs:
             s["logprobs"] = req.top_logprobs or 0

@@ -44,7 +44,16 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # engine for as long again (a step stuck on a hung worker): the group is hung.
     output_timeout_s: PositiveFloat = 120.0
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    # Sequences (prompts × n) waiting per model and gateway beyond what the engine runs at once.
     max_waiting_per_model: PositiveInt = 256
+    # One request's prompts × n: more is a 400 (one request may fill a batch, not a queue).
+    max_sequences_per_request: PositiveInt = 256
+    # A connection has this long to send a request's headers (from its opening or the end of
+    # its previous response: also how long an idle keep-alive connection stays open).
+    header_timeout_s: PositiveFloat = 60.0
+    # A request's body must arrive within this long of its headers; a streamed response whose
+    # client reads nothing for this long is cut.
+    body_timeout_s: PositiveFloat = 60.0
     api_keys: list[str] = []
     api_key_file: str | None = None
     # Host names answered besides localhost names and loopback IPs. Bound to a
