@@ -395,6 +395,10 @@ class FakeEngine:
             version=version, incarnation=incarnation, model="m", max_model_len=128, max_num_seqs=4))])
 
 
+async def submit(link: EngineLink, sink: asyncio.Queue, *gens: EP.Generate, choices: int = 1) -> None:
+    await link.submit([(g.request_id, EP.encoder.encode(g)) for g in gens], choices, sink)
+
+
 def with_engine(scenario):
     async def main():
         ctx = zmq.asyncio.Context()
@@ -416,16 +420,18 @@ def test_ready_after_hello_then_exit_fails_streams_in_flight():
         await engine.accept(link, "inc1")
         await asyncio.wait_for(link.ready.wait(), 10)
         assert (link.state, link.status, link.incarnation, link.max_model_len) == (S.READY, "ready", "inc1", 128)
-        stream = link.submit(EP.Generate(request_id="g1", prompt="x"), 1)
+        sink = asyncio.Queue()
+        await submit(link, sink, EP.Generate(request_id="g1", prompt="x"))
         _, gen = await engine.recv()
         assert gen == EP.Generate(request_id="g1", prompt="x")
         link.on_model_state("exited", "", "signal 9")
         assert (link.state, link.status, link.sock, link.ready.is_set()) == (S.DOWN, "exited", None, False)
-        failed = stream.queue.get_nowait()
-        assert isinstance(failed, EngineUnavailable)
+        rid, failed = sink.get_nowait()
+        assert rid == "g1" and isinstance(failed, EngineUnavailable)
         assert str(failed) == "the engine for model 'm' exited (signal 9)"
         with pytest.raises(EngineUnavailable):
-            link.submit(EP.Generate(request_id="g2", prompt="x"), 1)
+            await submit(link, sink, EP.Generate(request_id="g2", prompt="x"))
+        assert link.streams == {}
 
     with_engine(scenario)
 
@@ -435,21 +441,22 @@ def test_draining_lets_requests_in_flight_run_and_holds_new_ones():
         link.on_model_state("ready", "inc1", None)
         await engine.accept(link, "inc1")
         await asyncio.wait_for(link.ready.wait(), 10)
-        stream = link.submit(EP.Generate(request_id="g1", prompt="x"), 1)
+        sink = asyncio.Queue()
+        await submit(link, sink, EP.Generate(request_id="g1", prompt="x"))
         link.on_model_state("draining", "inc1", None)
         assert (link.state, link.status, link.ready.is_set()) == (S.DRAINING, "draining", False)
-        assert link.sock is not None and stream.queue.empty()
+        assert link.sock is not None and sink.empty()
         # Output of the request in flight still arrives.
         peer, _ = await engine.recv()
         await engine.sock.send_multipart([peer, EP.encoder.encode(EP.StepOutput(
             incarnation="inc1", deltas=[EP.Delta(request_id="g1", text="y", token_ids=[1], finish_reason="stop")]))])
-        got = await asyncio.wait_for(stream.queue.get(), 10)
-        assert (got.text, got.finish_reason) == ("y", "stop")
+        rid, got = await asyncio.wait_for(sink.get(), 10)
+        assert (rid, got.text, got.finish_reason) == ("g1", "y", "stop")
         with pytest.raises(EngineUnavailable) as info:
             await link.wait_ready(0.05)
         assert str(info.value) == "model 'm' is not available (draining) after waiting 0.05s"
         with pytest.raises(EngineUnavailable):
-            link.submit(EP.Generate(request_id="g2", prompt="x"), 1)
+            await submit(link, sink, EP.Generate(request_id="g2", prompt="x"))
 
     with_engine(scenario)
 

@@ -1,0 +1,230 @@
+"""The gateway over HTTP against a scripted engine (tests/gateway_harness.py): sends that
+are never dropped, aborts, deadlines, admission in sequences, timeouts, escaping, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from gateway_harness import gateway, run
+from servectl.wire import engine as EP
+
+pytestmark = pytest.mark.unit
+
+COMPLETION = {"model": "m", "prompt": "x", "max_tokens": 4}
+
+
+def error_shape(body) -> dict:
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "param" in err, body
+    return err
+
+
+def finish(rid: str, text: str = "y", index: int = 0, prompt_tokens: int | None = 1) -> EP.Delta:
+    return EP.Delta(request_id=rid, index=index, text=text, token_ids=[7], finish_reason="length",
+                    prompt_tokens=prompt_tokens)
+
+
+def test_a_batch_larger_than_the_socket_queue_arrives_whole_and_is_aborted_whole():
+    """Every Generate reaches the engine (none dropped on a full queue); a client that goes
+    away gets every one of them aborted."""
+    async def scenario(h):
+        h.link.sndhwm = 2
+        await h.ready()
+        prompts = [f"p{i}" for i in range(200)]
+        client = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "prompt": prompts}))
+        got = []
+        while len(got) < 200:
+            msg = await h.engine.recv()
+            assert isinstance(msg, EP.Generate), msg
+            got.append(msg)
+        assert [g.prompt for g in got] == prompts
+        assert len(h.link.streams) == 200
+        client.cancel()  # the client walks away
+        aborted = set()
+        while len(aborted) < 200:
+            msg = await h.engine.recv()
+            assert isinstance(msg, EP.Abort), msg
+            aborted.update(msg.request_ids)
+        assert aborted == {g.request_id for g in got}
+        await asyncio.sleep(0.05)
+        assert (h.link.streams, h.link.admitted, h.gw.in_flight) == ({}, 0, 0)
+
+    run(scenario)
+
+
+def test_an_engine_that_takes_nothing_fails_the_request_and_registers_nothing():
+    async def scenario(h):
+        h.link.sndhwm = 1
+        await h.ready()
+        h.link.send_timeout_s = 0.3
+        started = time.monotonic()
+        # 3 MB: more than the socket queues and the kernel's buffers hold.
+        status, body = await h.post("/v1/completions", {**COMPLETION, "prompt": ["p" * 100_000] * 30})
+        assert status == 503 and "did not take a request" in error_shape(body)["message"], body
+        assert time.monotonic() - started < 5
+        assert (h.link.streams, h.link.admitted, h.gw.in_flight) == ({}, 0, 0)
+
+    run(scenario, rcvhwm=1)
+
+
+def test_an_integer_msgpack_cannot_carry_is_a_400_and_nothing_is_sent():
+    async def scenario(h):
+        await h.ready()
+        schema = {"type": "integer", "maximum": 2**70}
+        status, body = await h.post("/v1/completions", {**COMPLETION, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": schema}}})
+        assert status == 400 and "64-bit" in error_shape(body)["message"]
+        for field, value in (("seed", 2**64), ("prompt", [2**64]), ("logit_bias", {str(2**64): 1}),
+                             ("max_tokens", 2**63), ("top_k", 2**64)):
+            status, body = await h.post("/v1/completions", {**COMPLETION, field: value})
+            assert status == 400 and error_shape(body)["param"] == field, (field, body)
+        status, body = await h.post("/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": -2**65}]}]})
+        assert status == 400, body
+        assert h.link.streams == {}
+        with pytest.raises(asyncio.TimeoutError):
+            await h.engine.recv(timeout=0.2)
+
+    run(scenario)
+
+
+def test_a_request_the_engine_lost_fails_instead_of_waiting_forever():
+    async def scenario(h):
+        await h.ready()
+        client = asyncio.ensure_future(h.post("/v1/completions", COMPLETION))
+        gen = await h.engine.recv()
+        probe = await h.engine.recv(timeout=5)  # no output for output_timeout_s: is it still there?
+        assert probe == EP.Stats(request_ids=[gen.request_id])
+        await h.engine.stats_reply(missing=[gen.request_id])
+        status, body = await client
+        assert status == 503 and "lost this request" in error_shape(body)["message"]
+        assert h.hangs == []
+
+    run(scenario, output_timeout_s=0.3)
+
+
+def test_queued_is_not_hung_and_silent_is():
+    async def scenario(h):
+        await h.ready()
+        client = asyncio.ensure_future(h.post("/v1/completions", COMPLETION))
+        gen = await h.engine.recv()
+        await h.engine.recv(timeout=5)
+        await h.engine.stats_reply(unfinished=3)  # still there, queued: wait on
+        await h.engine.recv(timeout=5)  # asked again: the output comes before the answer
+        await h.engine.step(finish(gen.request_id))
+        await h.engine.stats_reply()
+        status, body = await client
+        assert status == 200 and body["choices"][0]["text"] == "y"
+        # A silent engine is hung: reported, and the request fails.
+        client = asyncio.ensure_future(h.post("/v1/completions", COMPLETION))
+        await h.engine.recv()
+        status, body = await client
+        assert status == 503 and h.hangs == ["m"]
+
+    run(scenario, output_timeout_s=0.3)
+
+
+def test_a_non_streaming_client_that_goes_away_is_aborted():
+    async def scenario(h):
+        await h.ready()
+        client = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "n": 2}))
+        gen = await h.engine.recv()
+        await h.engine.step(EP.Delta(request_id=gen.request_id, text="a", token_ids=[1], prompt_tokens=1))
+        await asyncio.sleep(0.05)
+        client.cancel()
+        abort = await h.engine.recv()
+        assert abort == EP.Abort(request_ids=[gen.request_id])
+        await asyncio.sleep(0.05)
+        assert (h.link.streams, h.link.admitted) == ({}, 0)
+
+    run(scenario)
+
+
+def test_sequences_are_capped_and_admission_counts_them():
+    async def scenario(h):
+        await h.ready(max_num_seqs=2)
+        status, body = await h.post("/v1/completions", {**COMPLETION, "prompt": ["a"] * 5, "n": 2})
+        assert status == 400 and error_shape(body)["code"] == "too_many_sequences"
+        assert "10 sequences; at most 8" in body["error"]["message"]
+        # 2 run in the engine, 4 more may wait: a request of 4 sequences is admitted ...
+        first = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "prompt": ["a"] * 3, "n": 2}))
+        gens = [await h.engine.recv() for _ in range(3)]
+        assert h.link.queued() == 4
+        # ... and the next one (2 more) is refused: the queue would hold 6 > 4.
+        status, body = await h.post("/v1/completions", {**COMPLETION, "n": 2})
+        assert status == 429 and "4 sequences" in error_shape(body)["message"]
+        for g in gens:
+            await h.engine.step(finish(g.request_id, index=0), finish(g.request_id, index=1))
+        status, body = await first
+        assert status == 200 and len(body["choices"]) == 6
+
+    run(scenario, max_sequences_per_request=8, max_waiting_per_model=4)
+
+
+def test_header_and_body_timeouts():
+    async def scenario(h):
+        started = time.monotonic()
+        # Half the headers, never finished: closed at the header timeout, nothing answered.
+        assert await h.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""
+        assert 0.4 < time.monotonic() - started < 5
+        started = time.monotonic()
+        out = await h.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\":")
+        assert out.startswith(b"HTTP/1.1 408"), out
+        assert b'"code":"body_timeout"' in out and 0.4 < time.monotonic() - started < 5
+
+    run(scenario, header_timeout_s=0.5, body_timeout_s=0.5)
+
+
+def test_protocol_errors_and_bad_headers_answer_in_openais_shape():
+    async def scenario(h):
+        out = await h.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n")
+        assert out.startswith(b"HTTP/1.0 400") and b'"error":{"message":"Bad Request: Invalid header' in out, out
+        # Not UTF-8: a wrong key, not a 500.
+        out = await h.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                          b"X-Request-Id: \xc3\x28\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        assert out.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in out, out
+
+    run(scenario, api_keys=["k"])
+
+
+def test_the_access_log_escapes_what_the_client_sent(caplog):
+    async def scenario(h):
+        await h.raw(b"GET /v1/x%0Aforged%20200 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await h.post("/v1/completions", {**COMPLETION, "model": "a\nb 200"})
+
+    with caplog.at_level(logging.INFO, logger="api_gateway.access"):
+        run(scenario)
+    lines = [r.getMessage() for r in caplog.records if r.name == "api_gateway.access"]
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+    assert lines[0].startswith("GET /v1/x\\x0aforged\\x20200 404")
+    assert "model=a\\x0ab\\x20200" in lines[1]
+
+
+def test_a_large_batch_is_sent_without_stalling_the_event_loop():
+    async def scenario(h):
+        await h.ready()
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.ensure_future(ticker())
+        client = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "prompt": ["p"] * 256}))
+        for _ in range(256):
+            await h.engine.recv()
+        stop.set()
+        await tick
+        client.cancel()
+        assert max(gaps) < 0.05, max(gaps)
+
+    run(scenario)
