@@ -13,6 +13,7 @@ engine) is ``engine_core/main.py``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -48,13 +49,27 @@ class BadRequest(Exception):
 class EngineServer:
     """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER."""
 
-    def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
+    # vLLM's request types, imported when a request is first built (so the loop itself is
+    # tested without vLLM: tests/test_engine_loop_unit.py).
+    @functools.cached_property
+    def _SamplingParams(self):
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        self._SamplingParams = SamplingParams
-        self._Structured = StructuredOutputsParams
-        self._DELTA = RequestOutputKind.DELTA
+        return SamplingParams
+
+    @functools.cached_property
+    def _Structured(self):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
+
+    @functools.cached_property
+    def _DELTA(self):
+        from vllm.sampling_params import RequestOutputKind
+
+        return RequestOutputKind.DELTA
+
+    def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
         self.spec = spec
         self.engine = engine
         self.group = group

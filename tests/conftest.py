@@ -336,6 +336,32 @@ def daemon(tmp_path_factory):
                    api_key=SHARED_API_KEY)
 
 
+def requests_running(d: "Daemon", model: str | None = None) -> float:
+    """``servectl_requests_running`` (the engines' unfinished requests) plus
+    ``servectl_requests_waiting`` (sequences the gateways hold), for one model or all."""
+    total = 0.0
+    for line in http(d, "GET", "/metrics", key=None, timeout=30).text.splitlines():
+        if line.startswith(("servectl_requests_running{", "servectl_requests_waiting{")):
+            if model is None or f'model="{model}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_nothing_running(d: "Daemon", timeout: float = 30) -> None:
+    wait_for(lambda: requests_running(d) == 0, timeout, interval=0.2,
+             what="servectl_requests_running and _waiting back to 0", diagnose=lambda: str(requests_running(d)))
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running(request):
+    """After every test that used the shared daemon: nothing of its load is left in flight."""
+    yield
+    if "daemon" in request.fixturenames:
+        d = request.getfixturevalue("daemon")
+        if d.port:
+            assert_nothing_running(d)
+
+
 def read_stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 

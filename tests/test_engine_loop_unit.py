@@ -1,0 +1,175 @@
+"""The engine loop's handling of requests, without vLLM: a scripted stand-in for LLMEngine.
+
+One request's failure (refused by vLLM halfway, its output failing to build)
+fails that request only; a step that raises leaves the engine's state unknown
+(StepFailed: the process exits, the group restarts); Generates are added
+between steps within a time budget; Stats says which requests are missing.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+import engine_core.core as core
+from engine_core.core import EngineServer, StepFailed
+from servectl.config import ModelConfig
+from servectl.wire import engine as P
+from servectl.wire.spawn import EngineSpec
+
+pytestmark = pytest.mark.unit
+
+PEER = b"gw-0-1"
+
+
+class Tokenizer:
+    def __len__(self):
+        return 100
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+class Engine:
+    """LLMEngine's surface as the loop uses it; step() returns what the test queued."""
+
+    def __init__(self):
+        self.model_config = SimpleNamespace(max_model_len=64)
+        self.requests: dict[str, object] = {}
+        self.aborted: list[str] = []
+        self.outputs: list = []
+        self.fail_add: set[str] = set()
+        self.fail_step = False
+
+    def get_tokenizer(self):
+        return Tokenizer()
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = prompt  # registered before it fails, as vLLM can
+        if rid in self.fail_add:
+            raise RuntimeError("scheduler refused it")
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.aborted.append(rid)
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self):
+        return len(self.requests)
+
+    def step(self):
+        if self.fail_step:
+            raise RuntimeError("worker call execute_model failed: rank 0: CUDA error")
+        out, self.outputs = self.outputs, []
+        return out
+
+
+def output(rid: str, token: int, finished: bool = False, logprobs=None):
+    comp = SimpleNamespace(index=0, text="x", token_ids=[token], finish_reason="length" if finished else None,
+                           stop_reason=None, logprobs=logprobs)
+    return SimpleNamespace(request_id=rid, outputs=[comp], finished=finished, prompt_token_ids=[1, 2],
+                           prompt_logprobs=None)
+
+
+@pytest.fixture
+def server():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    spec = EngineSpec(model=ModelConfig(name="m", model="/m"), runtime_dir="/tmp", incarnation="inc",
+                      freezing=False, freeze_grace_s=0, worker_reply_timeout_s=60)
+    engine = Engine()
+    srv = EngineServer(spec, engine, SimpleNamespace(frozen=False, overlapped_steps=0), a, b)
+    srv.sent = []
+    srv._send = lambda peer, msg: srv.sent.append(msg)
+    srv._build = lambda msg: (msg.prompt, SimpleNamespace())  # vLLM's request building is not under test
+    yield srv
+    a.close(0)
+    b.close(0)
+    ctx.term()
+
+
+def generate(srv, rid: str) -> None:
+    srv._on_generate(PEER, P.Generate(request_id=rid, prompt="hi"))
+
+
+def test_a_request_vllm_refuses_halfway_is_dropped_from_vllm_and_answered(server):
+    server.engine.fail_add.add("r1")
+    generate(server, "r1")
+    server._add_pending()
+    assert server.engine.requests == {} and server.engine.aborted == ["r1"]
+    assert server.sent == [P.RequestError(incarnation="inc", request_id="r1", status=400,
+                                          message="invalid request: scheduler refused it")]
+    assert "r1" not in server.owner
+
+
+def test_one_requests_output_failing_fails_that_request_only(server):
+    for rid in ("ok", "bad"):
+        generate(server, rid)
+    server._add_pending()
+    server.engine.outputs = [output("ok", 5), output("bad", 6, logprobs=[object()])]
+    server._step()
+    error, step = sorted(server.sent, key=lambda m: type(m).__name__)
+    assert error.request_id == "bad" and error.status == 500 and "building this request's output" in error.message
+    assert [d.request_id for d in step.deltas] == ["ok"]
+    assert server.engine.aborted == ["bad"] and set(server.owner) == {"ok"}
+    # The engine goes on: the next step serves the other request to its end.
+    server.sent.clear()
+    server.engine.outputs = [output("ok", 7, finished=True)]
+    server._step()
+    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and server.owner == {}
+
+
+def test_a_step_that_raises_is_the_engines_state_unknown(server):
+    generate(server, "r1")
+    server._add_pending()
+    server.engine.fail_step = True
+    with pytest.raises(StepFailed, match="CUDA error"):
+        server._step()
+
+
+def test_a_hung_worker_is_not_wrapped(server):
+    from engine_core.worker_group import WorkerHung
+
+    def hung():
+        raise WorkerHung("rank 0 gave no reply")
+
+    server.engine.step = hung
+    with pytest.raises(WorkerHung):
+        server._step()
+
+
+def test_generates_are_added_within_a_budget_while_requests_run(server, monkeypatch):
+    clock = iter(range(1000))
+    monkeypatch.setattr(core.time, "monotonic", lambda: next(clock) * 0.004)  # each add takes 4 ms
+    # Idle: everything is added at once.
+    for i in range(5):
+        generate(server, f"a{i}")
+    server._add_pending()
+    assert len(server.engine.requests) == 5 and not server.pending
+    # Busy: 10 ms of adding per gap between steps, at least one.
+    for i in range(5):
+        generate(server, f"b{i}")
+    server._add_pending()
+    assert len(server.engine.requests) == 8 and list(server.pending) == ["b3", "b4"]
+    # An abort drops a request still waiting to be added; Stats counts and knows the waiting ones.
+    server._on_abort(PEER, P.Abort(request_ids=["b4"]))
+    server._on_stats(PEER, P.Stats(request_ids=["a0", "b3", "b4", "zz"]))
+    reply = server.sent[-1]
+    assert (reply.unfinished, reply.missing) == (9, ["b4", "zz"])
+
+
+def test_a_duplicate_id_is_refused_whether_added_or_waiting(server):
+    generate(server, "r1")
+    generate(server, "r1")
+    assert server.sent[-1].message == "duplicate request id r1"
+    server._add_pending()
+    generate(server, "r1")
+    assert len(server.sent) == 2 and list(server.engine.requests) == ["r1"]
