@@ -58,9 +58,11 @@ _UNSAFE = re.compile(r"[\x00-\x20\x7f-\xa0\\\u2028\u2029\ud800-\udfff]")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
-def escape(text: str) -> str:
-    """One log field: unsafe characters as \\xNN / \\uNNNN escapes."""
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}", text)
+def escape(text: str, limit: int = 200) -> str:
+    """One log field: unsafe characters as \\xNN / \\uNNNN escapes, at most ``limit`` characters kept."""
+    cut = "..." if len(text) > limit else ""
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}",
+                       text[:limit]) + cut
 
 
 class Gateway:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from aiohttp import web
@@ -25,11 +26,19 @@ from aiohttp.web_protocol import RequestHandler
 from api_gateway.errors import error_body
 from servectl.config import GatewayConfig
 
+log = logging.getLogger("api_gateway.http")
+
 
 class _OpenAIErrorsHandler(RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if a response was started
+        if request.writer.output_size > 0:  # as aiohttp: a response was started, the connection is broken
+            raise ConnectionError("a response was started; cannot send another with the error")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+        else:
+            # A client's malformed HTTP: one line, repr'd (no raw bytes in the log), no traceback.
+            log.info("%d from %s: %r", status, request.remote, (message or str(exc or ""))[:300])
         try:
             phrase = HTTPStatus(status).phrase
         except ValueError:

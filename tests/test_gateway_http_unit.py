@@ -180,7 +180,7 @@ def test_header_and_body_timeouts():
     run(scenario, header_timeout_s=0.5, body_timeout_s=0.5)
 
 
-def test_protocol_errors_and_bad_headers_answer_in_openais_shape():
+def test_protocol_errors_and_bad_headers_answer_in_openais_shape(caplog):
     async def scenario(h):
         out = await h.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n")
         assert out.startswith(b"HTTP/1.0 400") and b'"error":{"message":"Bad Request: Invalid header' in out, out
@@ -189,7 +189,11 @@ def test_protocol_errors_and_bad_headers_answer_in_openais_shape():
                           b"X-Request-Id: \xc3\x28\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
         assert out.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in out, out
 
-    run(scenario, api_keys=["k"])
+    with caplog.at_level(logging.INFO):
+        run(scenario, api_keys=["k"])
+    # A client's malformed HTTP is one log line, never a traceback.
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    assert any("Invalid header value char" in r.getMessage() for r in caplog.records)
 
 
 def test_the_access_log_escapes_what_the_client_sent(caplog):
