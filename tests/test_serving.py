@@ -164,7 +164,7 @@ def test_client_disconnect_aborts_engine_request(daemon):
     body = json.dumps({"model": "default", "prompt": "def ", "max_tokens": 400, "stream": True,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", daemon.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + daemon.api_key.encode() + b"\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     received = b""

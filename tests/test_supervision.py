@@ -278,7 +278,7 @@ def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
                        "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", sup.port))
     s.settimeout(120)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     received = b""
     while b"data:" not in received:
