@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -29,6 +29,11 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z"
 # An idle engine freezes its workers after this long (also what `servectl
 # freeze MODEL on` uses when the config turned freezing off with 0).
 DEFAULT_FREEZE_GRACE_S = 2.0
+
+# What vLLM reads from a generation config (ModelConfig.get_diff_sampling_param); max_new_tokens
+# caps every request's max_tokens.
+GenerationKey = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty", "max_new_tokens"]
 
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -91,6 +96,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     env: dict[str, str] = {}
     # Per-model override of [manager] crash_loop_count (e.g. a flaky model).
     crash_loop_count: PositiveInt | None = None
+    # Default sampling parameters over the model's generation_config.json (vLLM's
+    # --override-generation-config); a value the client sends still wins.
+    override_generation_config: dict[GenerationKey, int | float] = {}
+    # Apply a chat template sent with a request (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
