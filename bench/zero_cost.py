@@ -13,18 +13,23 @@ from types import SimpleNamespace
 
 
 class ZeroCostEngine:
-    def __init__(self, model_dir: str, max_model_len: int = 512):
-        from transformers import AutoTokenizer
+    """vLLM's model config and renderer (requests are built exactly as for LLMEngine), no model."""
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model_config = SimpleNamespace(max_model_len=max_model_len)
+    def __init__(self, model_dir: str, engine_args: dict | None = None):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.renderers import renderer_from_config
+
+        config = EngineArgs(model=model_dir, **(engine_args or {})).create_engine_config()
+        self.model_config = config.model_config
+        self.renderer = renderer_from_config(config)
+        self.tokenizer = self.renderer.get_tokenizer()
         self.requests: dict[str, dict] = {}
         self.token_id = self.tokenizer.encode("x", add_special_tokens=False)[0]
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    def add_request(self, request_id, prompt, params) -> str:
+    def add_request(self, request_id, prompt, params, **_) -> str:
         self.requests[request_id] = {"prompt": prompt["prompt_token_ids"], "left": params.max_tokens or 16,
                                      "n": params.n}
         return request_id
@@ -55,4 +60,6 @@ class ZeroCostEngine:
 
 
 def make_engine(spec) -> ZeroCostEngine:
-    return ZeroCostEngine(spec.model.model)
+    from engine_core.main import engine_args
+
+    return ZeroCostEngine(spec.model.model, engine_args(spec.model))

@@ -17,11 +17,13 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from typing import Any
 
 import msgspec
 import zmq
 
-from engine_core.outputs import OutputBuilder
+from engine_core.outputs import OutputFormatter
+from engine_core.requests import BadRequest, Built, refusal
 from engine_core.worker_group import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
@@ -40,34 +42,24 @@ class StepFailed(RuntimeError):
     """``LLMEngine.step`` raised: which request, if any, caused it is unknown."""
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
 class EngineServer:
     """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER."""
 
-    # vLLM's request types, imported when a request is first built (so the loop itself is
-    # tested without vLLM: tests/test_engine_loop_unit.py).
+    # Requests are built, and tokenizer questions answered, the way vLLM's OpenAI server does
+    # (requests.py, tokenizing.py); both import vLLM when first used, so the loop itself is
+    # tested without it (tests/test_engine_loop_unit.py).
     @functools.cached_property
-    def _SamplingParams(self):
-        from vllm import SamplingParams
+    def builder(self):
+        from engine_core.requests import RequestBuilder
 
-        return SamplingParams
-
-    @functools.cached_property
-    def _Structured(self):
-        from vllm.sampling_params import StructuredOutputsParams
-
-        return StructuredOutputsParams
+        return RequestBuilder(self.engine.model_config, self.engine.renderer,
+                              trust_request_chat_template=self.spec.model.trust_request_chat_template)
 
     @functools.cached_property
-    def _DELTA(self):
-        from vllm.sampling_params import RequestOutputKind
+    def tokenizer_endpoints(self):
+        from engine_core.tokenizing import TokenizerEndpoints
 
-        return RequestOutputKind.DELTA
+        return TokenizerEndpoints(self.builder)
 
     def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
         self.spec = spec
@@ -84,13 +76,13 @@ class EngineServer:
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
-        self.prompt_sent: set[str] = set()
-        self.outputs = OutputBuilder(self.tokenizer)
+        self.specs: dict[str, Any] = {}  # request id -> its OutputSpec (what its responses show)
+        self.outputs = OutputFormatter(self.tokenizer)
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
         self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
-                           P.Stats: self._on_stats}
+                           P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer}
         self.on_control = {MP.AbortPeer: self._on_abort_peer, MP.Drain: self._on_drain,
                            MP.FreezingControl: self._on_freezing}
         self.poller = zmq.Poller()
@@ -160,6 +152,15 @@ class EngineServer:
                                       unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
                                       overlapped_steps=self.group.overlapped_steps,
                                       rejected_frames=self.rejected, missing=missing))
+
+    def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
+        """Answered at once, between steps: tokenising needs no worker."""
+        try:
+            body = self.tokenizer_endpoints.answer(msg.kind, msg.body)
+        except BadRequest as exc:
+            self._refuse(peer, msg.request_id, str(exc), exc.status, exc.param)
+            return
+        self._send(peer, P.TokenizerReply(incarnation=self.spec.incarnation, request_id=msg.request_id, body=body))
 
     def _check_drained(self) -> None:
         if (self.draining and not self.drain_reported and not self.engine.has_unfinished_requests()
@@ -239,22 +240,22 @@ class EngineServer:
             self._refuse(peer, rid, f"model {self.spec.model.name!r} is being stopped", 503)
             return
         try:
-            prompt, params = self._build(msg)
-            self.engine.add_request(rid, prompt, params)
+            built = self._build(msg)
+            self.engine.add_request(rid, built.engine_input, built.params, priority=built.priority,
+                                    session_id=built.session_id)
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)
-            if isinstance(exc, BadRequest):
-                self._refuse(peer, rid, str(exc), 400, exc.param)
-            elif isinstance(exc, (ValueError, TypeError)):
-                self._refuse(peer, rid, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 400)
-            else:
-                # Admission only looks at the request itself, so whatever it rejects is bad input.
-                log.warning("request %s rejected at admission: %r", rid, exc)
-                self._refuse(peer, rid, f"invalid request: {exc}", 400)
+            # Admission only looks at the request itself, so whatever it rejects is bad input:
+            # vLLM's classification (status, message, parameter), never a 5xx.
+            bad = refusal(exc)
+            if bad.unexpected:  # not its message: vLLM's may quote the prompt
+                log.warning("request %s refused at admission: %s (param %s)", rid, type(exc).__name__, bad.param)
+            self._refuse(peer, rid, str(bad), bad.status, bad.param)
             return
         self.owner[rid] = peer
         self.by_peer[peer].add(rid)
+        self.specs[rid] = built.spec
 
     def _drop(self, rid: str) -> None:
         """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
@@ -263,45 +264,8 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - nothing more can be done for it
             log.exception("dropping request %s", rid)
 
-    def _build(self, msg: P.Generate):
-        from vllm.inputs import TokensPrompt
-
-        if msg.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(msg.messages, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:
-                raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif msg.prompt_token_ids is not None:
-            ids = list(msg.prompt_token_ids)
-            vocab = len(self.tokenizer)
-            bad = [t for t in ids if t < 0 or t >= vocab]
-            if bad:
-                raise BadRequest(f"token id(s) {bad[:5]} outside the vocabulary (0..{vocab - 1})", "prompt")
-        elif msg.prompt is not None:
-            ids = self.tokenizer.encode(msg.prompt)
-        else:
-            raise BadRequest("no prompt given", "prompt")
-        if not ids:
-            raise BadRequest("the prompt is empty", "prompt")
-        sampling = dict(msg.sampling)
-        max_tokens = sampling.get("max_tokens")
-        limit = self.max_model_len
-        if len(ids) >= limit or (max_tokens is not None and len(ids) + max_tokens > limit):
-            asked = len(ids) + (max_tokens or 0)
-            raise BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{asked} tokens ({len(ids)} in the prompt, {max_tokens or 0} for the completion). "
-                "Please reduce the length of the prompt or the completion.",
-                "max_tokens" if max_tokens else "prompt",
-            )
-        if msg.echo:
-            sampling["prompt_logprobs"] = max(sampling.get("prompt_logprobs") or 0, sampling.get("logprobs") or 0)
-        structured = None
-        if msg.structured:
-            structured = self._Structured(**msg.structured)
-        params = self._SamplingParams(**sampling, output_kind=self._DELTA, structured_outputs=structured)
-        return TokensPrompt(prompt_token_ids=ids), params
+    def _build(self, msg: P.Generate) -> Built:
+        return self.builder.build(msg.kind, msg.body)
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -319,7 +283,7 @@ class EngineServer:
             self.by_peer[peer].discard(rid)
             if not self.by_peer[peer]:
                 del self.by_peer[peer]
-        self.prompt_sent.discard(rid)
+        self.specs.pop(rid, None)
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
@@ -332,14 +296,12 @@ class EngineServer:
         batches: dict[bytes, list[P.Delta]] = defaultdict(list)
         for ro in outputs:
             rid = ro.request_id
-            peer = self.owner.get(rid)
-            if peer is None:
+            peer, spec = self.owner.get(rid), self.specs.get(rid)
+            if peer is None or spec is None:
                 continue  # aborted meanwhile
-            first = rid not in self.prompt_sent
-            if first:
-                self.prompt_sent.add(rid)
             try:
-                batches[peer].extend(self.outputs.deltas(ro, first))
+                batches[peer].extend(self.outputs.deltas(ro, spec, first=not spec.started))
+                spec.started = True
             except Exception as exc:  # this request's output only: it fails, the others go on
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=spec.model.model,
                 tensor_parallel_size=tp,
                 distributed_executor_backend=ex.ZmqExecutor,
-                **spec.model.engine_args,
+                **engine_args(spec.model),
             ))
     except ex.WorkerHung as exc:
         log.error("engine start failed: %s", exc)
@@ -129,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         log.info("executor: %s", group.counters())
     return 0
+
+
+def engine_args(model) -> dict[str, Any]:
+    """The model's vLLM engine arguments; its ``override_generation_config`` goes to vLLM's
+    argument of that name (the server's default sampling parameters), over any given there."""
+    args = dict(model.engine_args)
+    if model.override_generation_config:
+        args["override_generation_config"] = {**(args.get("override_generation_config") or {}),
+                                              **model.override_generation_config}
+    return args
 
 
 def check_engine_args(engine_args: dict[str, Any]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaults=True):
@@ -29,15 +29,18 @@ class Hello(_Msg, tag="hello"):
 
 
 class Generate(_Msg, tag="generate"):
+    """One engine request: the client's fields for vLLM's own request class.
+
+    ``kind`` names the class (``completion``: vLLM's ``CompletionRequest``,
+    ``chat``: ``ChatCompletionRequest``); ``body`` holds the fields the client
+    sent that servectl supports, as sent (a completion's ``prompt`` is one
+    prompt: the gateway sends one request per prompt). The engine builds the
+    request with vLLM's class, so defaults and validation are vLLM's.
+    """
+
     request_id: str
-    # Exactly one of prompt, prompt_token_ids or messages is set.
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    sampling: dict[str, Any] = {}
-    # Structured output: {"json": schema} or {"json_object": True}.
-    structured: dict[str, Any] | None = None
-    echo: bool = False
+    kind: str
+    body: dict[str, Any]
 
 
 class Abort(_Msg, tag="abort"):
@@ -51,7 +54,20 @@ class Stats(_Msg, tag="stats"):
     request_ids: list[str] = []
 
 
-FromGateway = Union[Hello, Generate, Abort, Stats]
+class Tokenizer(_Msg, tag="tokenizer"):
+    """A tokenizer endpoint's request, answered between steps with ``TokenizerReply``.
+
+    ``kind``: ``tokenize`` (``body``: vLLM's TokenizeCompletionRequest or, with
+    ``messages``, TokenizeChatRequest), ``detokenize`` (DetokenizeRequest) or
+    ``tokenizer_info`` (no body).
+    """
+
+    request_id: str
+    kind: str
+    body: dict[str, Any] = {}
+
+
+FromGateway = Union[Hello, Generate, Abort, Stats, Tokenizer]
 
 
 # ---- engine → gateway ------------------------------------------------------
@@ -65,6 +81,21 @@ class HelloReply(_Msg, tag="hello_reply"):
     rejected_frames: int = 0
 
 
+class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """What a request's first delta says about its prompt (and the response's fixed parts)."""
+
+    tokens: int
+    token_ids: list[int] | None = None  # return_token_ids (and echo of a completion)
+    # Echo: the text put before every choice (a completion's prompt, a chat's last
+    # message) and, for a completion, the prompt's logprob entries.
+    echo_text: str | None = None
+    echo_logprobs: list[Any] | None = None
+    # vLLM's prompt_logprobs, JSON-shaped: per prompt token None or {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[Any] | None = None
+    role: str | None = None  # chat: the role the answer speaks as
+    prompt_text: str | None = None  # chat return_prompt_text: the templated prompt
+
+
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """New output of one choice of one request since the last step."""
 
@@ -74,12 +105,10 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     token_ids: list[int] = []
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    prompt_tokens: int | None = None
-    # Per new token: (logprob, [(token text, logprob), ...] top alternatives), text.
+    # Per new token: [token text, logprob or None, alternatives [[text, logprob], ...] or None,
+    # UTF-8 bytes or None], already chosen and clamped the way vLLM's API does for this request.
     logprobs: list[Any] | None = None
-    # Echo: prompt token texts and their logprobs (first is None).
-    prompt_logprobs: list[Any] | None = None
-    prompt_text: str | None = None
+    prompt: PromptInfo | None = None  # on the request's first delta
 
 
 class StepOutput(_Msg, tag="step"):
@@ -95,6 +124,14 @@ class RequestError(_Msg, tag="error"):
     param: str | None = None
 
 
+class TokenizerReply(_Msg, tag="tokenizer_reply"):
+    """The answer to ``Tokenizer``: vLLM's response body for that endpoint."""
+
+    incarnation: str
+    request_id: str
+    body: dict[str, Any]
+
+
 class StatsReply(_Msg, tag="stats_reply"):
     incarnation: str
     unfinished: int
@@ -106,7 +143,7 @@ class StatsReply(_Msg, tag="stats_reply"):
     missing: list[str] = []
 
 
-ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply]
+ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply, TokenizerReply]
 
 from_gateway_decoder = msgspec.msgpack.Decoder(FromGateway)
 to_gateway_decoder = msgspec.msgpack.Decoder(ToGateway)

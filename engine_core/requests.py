@@ -1,0 +1,222 @@
+"""One gateway request into one vLLM request, the way vLLM's OpenAI server builds it.
+
+The gateway sends the client's fields (``Generate.body``); this module makes
+vLLM's own request object from them (``CompletionRequest``,
+``ChatCompletionRequest``: vLLM's validation, vLLM's defaults), renders the
+prompt with the engine's renderer (chat template, tokenisation, truncation,
+length checks), sizes ``max_tokens`` with vLLM's ``get_max_tokens`` (a chat
+without it gets the rest of the context) and calls the request's own
+``to_sampling_params`` with the model's default sampling parameters
+(``generation_config.json`` and the configured overrides). What vLLM's serving
+layer adds around that (suffix rendering, the request chat-template check, the
+echo and role rules) is mirrored here, function by function, with the vLLM
+code it follows named. Every refusal is ``BadRequest`` with vLLM's status,
+message and parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("engine_core")
+
+
+class BadRequest(Exception):
+    """A request the engine refuses: an HTTP status (4xx), a message and the field to blame.
+
+    ``unexpected``: the refusal came from an error nothing classified (a bug's symptom as likely
+    as bad input): worth a warning in the log.
+    """
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, unexpected: bool = False):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.unexpected = unexpected
+
+
+def refusal(exc: Exception) -> BadRequest:
+    """Any exception raised while admitting a request, classified the way vLLM's server does
+    (``create_error_response``: its status, sanitised message and parameter). Admission looks
+    only at the request, so what vLLM would call a server error is still the request's fault:
+    400, "invalid request: ...". (vLLM is consulted only when loaded: otherwise the error is not
+    vLLM's, and the engine loop's unit tests run without it.)"""
+    if isinstance(exc, BadRequest):
+        return exc
+    if "vllm" not in sys.modules:
+        if isinstance(exc, (ValueError, TypeError)):
+            return BadRequest((str(exc).splitlines() or [""])[0] or type(exc).__name__)
+        return BadRequest(f"invalid request: {exc}", unexpected=True)
+    from pydantic import ValidationError
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    err = create_error_response(exc).error
+    param = err.param
+    if isinstance(exc, ValidationError) and param is None and exc.errors():
+        loc = exc.errors()[0].get("loc") or ()
+        param = str(loc[0]) if loc else None
+    message = err.message if isinstance(exc, ValidationError) else (err.message.splitlines() or [""])[0]
+    message = message or type(exc).__name__
+    if not 400 <= err.code < 500:
+        return BadRequest(f"invalid request: {message}", param, unexpected=True)
+    return BadRequest(message, param, err.code)
+
+
+@dataclass
+class OutputSpec:
+    """What the engine's output formatting needs to know about one request."""
+
+    chat: bool
+    logprobs: int | None = None  # alternatives per token (completions: logprobs; chat: top_logprobs); None: none
+    all_alternatives: bool = False  # logprob_token_ids: every alternative vLLM returned
+    as_token_ids: bool = False  # return_tokens_as_token_ids: tokens as "token_id:N"
+    echo: bool = False
+    echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt, nothing generated
+    return_token_ids: bool = False
+    role: str | None = None  # chat: the answer's role
+    echo_text: str | None = None  # chat echo: the last message's content (if it is the answer's role)
+    return_prompt_text: bool = False
+    started: bool = False  # the request's first output (which carries its prompt) went out
+
+
+@dataclass
+class Built:
+    """One request ready for ``LLMEngine.add_request``."""
+
+    engine_input: Any
+    params: Any  # SamplingParams
+    priority: int
+    session_id: str | None
+    spec: OutputSpec
+
+
+def default_sampling(model_config) -> tuple[dict[str, Any], int | None]:
+    """vLLM's server defaults for a model (``OpenAIServingCompletion.__init__``): the sampling
+    parameters of its generation_config.json with ``override_generation_config`` applied, and the
+    ``max_new_tokens`` override that caps every request's max_tokens."""
+    defaults = model_config.get_diff_sampling_param()
+    if model_config.generation_config not in ("auto", "vllm"):
+        override_max_tokens = defaults.get("max_tokens")
+    else:
+        override_max_tokens = (getattr(model_config, "override_generation_config", None) or {}).get("max_new_tokens")
+    return defaults, override_max_tokens
+
+
+class RequestBuilder:
+    """Builds vLLM requests for one engine (its model config, renderer and tokenizer)."""
+
+    def __init__(self, model_config, renderer, trust_request_chat_template: bool = False):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.renderers.inputs.preprocess import extract_prompt_len, parse_model_prompt, prompt_to_seq
+        from vllm.sampling_params import RequestOutputKind
+
+        self.CompletionRequest = CompletionRequest
+        self.ChatCompletionRequest = ChatCompletionRequest
+        self._get_max_tokens = get_max_tokens
+        self._prompt_len = extract_prompt_len
+        self._parse_prompt = parse_model_prompt
+        self._prompt_to_seq = prompt_to_seq
+        self._DELTA = RequestOutputKind.DELTA
+        self.model_config = model_config
+        self.renderer = renderer
+        self.trust_request_chat_template = trust_request_chat_template
+        self.defaults, self.override_max_tokens = default_sampling(model_config)
+        if self.defaults:
+            log.info("default sampling parameters (generation config and overrides): %s", self.defaults)
+
+    def build(self, kind: str, body: dict[str, Any]) -> Built:
+        try:
+            if kind == "completion":
+                return self._completion(body)
+            if kind == "chat":
+                return self._chat(body)
+        except Exception as exc:  # vLLM's validation, rendering and sampling-parameter errors
+            raise refusal(exc) from None
+        raise BadRequest(f"unknown request kind {kind!r}")
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    def _completion(self, body: dict[str, Any]) -> Built:
+        req = self.CompletionRequest.model_validate(body)
+        prompt = self._suffixed(req) if req.suffix is not None else req.prompt
+        prompts = [self._parse_prompt(self.model_config, p) for p in self._prompt_to_seq(prompt)]
+        if len(prompts) != 1:
+            raise BadRequest("one prompt per engine request", "prompt")
+        (engine_input,) = self.renderer.render_cmpl(prompts, req.build_tok_params(self.model_config),
+                                                    prompt_extras=self._extras(req))
+        params = self._sampling(req, req.max_tokens, engine_input)
+        spec = OutputSpec(chat=False, logprobs=req.logprobs, all_alternatives=bool(req.logprob_token_ids),
+                          as_token_ids=bool(req.return_tokens_as_token_ids), echo=bool(req.echo),
+                          echo_only=bool(req.echo) and req.max_tokens == 0,
+                          return_token_ids=bool(req.return_token_ids))
+        return Built(engine_input, params, req.priority, req.session_id, spec)
+
+    def _suffixed(self, req):
+        """A fill-in-the-middle prompt (``OnlineRenderer.render_completion``'s suffix branch)."""
+        if req.echo:
+            raise BadRequest("Echo is unsupported with suffix.", "suffix")
+        if req.truncate_prompt_tokens is not None:
+            raise BadRequest("suffix is not supported with truncate_prompt_tokens", "suffix")
+        if not isinstance(req.prompt, str):
+            raise BadRequest("suffix requires text prompt input for FIM completion rendering", "suffix")
+        rendered = self.renderer.render_completion_suffix(req.prompt, req.suffix)
+        if rendered is None:
+            raise BadRequest("suffix is only supported for models with FIM completion rendering", "suffix")
+        return rendered
+
+    # ---- /v1/chat/completions ------------------------------------------------------------
+    def _chat(self, body: dict[str, Any]) -> Built:
+        from vllm.renderers import merge_kwargs
+        from vllm.utils.mistral import is_mistral_tokenizer
+
+        req = self.ChatCompletionRequest.model_validate(body)
+        self.check_chat_template(req.chat_template, req.chat_template_kwargs)
+        # OnlineRenderer.preprocess_chat, without tools (refused by the gateway) or multimodal input.
+        tokenize = is_mistral_tokenizer(self.renderer.tokenizer) or self.model_config.enable_prompt_embeds
+        chat_params = req.build_chat_params(None, "auto").with_defaults(
+            merge_kwargs(None, dict(tools=None, tokenize=tokenize)))
+        (conversation,), (engine_input,) = self.renderer.render_chat(
+            [req.messages], chat_params, req.build_tok_params(self.model_config), prompt_extras=self._extras(req))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling(req, max_tokens, engine_input)
+        # OpenAIServingChat.get_chat_request_role and its echo of the last message.
+        role = "assistant" if req.add_generation_prompt else req.messages[-1]["role"]
+        echo_text = None
+        if req.echo and conversation and "content" in conversation[-1] and conversation[-1].get("role") == role:
+            content = conversation[-1]["content"] or ""
+            echo_text = "\n".join(m["text"] for m in content) if isinstance(content, list) else content
+        spec = OutputSpec(chat=True, logprobs=req.top_logprobs if req.logprobs else None,
+                          all_alternatives=bool(req.logprob_token_ids),
+                          as_token_ids=bool(req.return_tokens_as_token_ids), echo=bool(req.echo),
+                          return_token_ids=bool(req.return_token_ids), role=role, echo_text=echo_text or None,
+                          return_prompt_text=bool(req.return_prompt_text))
+        return Built(engine_input, params, req.priority, req.session_id, spec)
+
+    def check_chat_template(self, chat_template: str | None, kwargs: dict | None) -> None:
+        """A template sent with the request runs only where the operator trusts it
+        (vLLM's ``--trust-request-chat-template``; servectl's model key
+        ``trust_request_chat_template``), with vLLM's message otherwise."""
+        if not self.trust_request_chat_template and (
+                chat_template is not None or (kwargs and kwargs.get("chat_template") is not None)):
+            raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                             "Refused request with untrusted chat template. (servectl: set the model's "
+                             "`trust_request_chat_template = true` to allow it)", "chat_template")
+
+    # ---- shared ---------------------------------------------------------------------------
+    @staticmethod
+    def _extras(req) -> dict[str, Any]:
+        return {k: v for k in ("mm_processor_kwargs", "cache_salt") if (v := getattr(req, k, None)) is not None}
+
+    def _sampling(self, req, max_tokens: int | None, engine_input):
+        """``get_max_tokens`` then the request's own ``to_sampling_params`` (vLLM's serving classes)."""
+        limit = self._get_max_tokens(self.model_config.max_model_len, max_tokens,
+                                     self._prompt_len(self.model_config, engine_input), self.defaults,
+                                     self.override_max_tokens, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        params = req.to_sampling_params(limit, self.defaults)
+        # The gateway streams every request (a whole response is assembled there).
+        params.output_kind = self._DELTA
+        return params

@@ -1,0 +1,73 @@
+"""The tokenizer endpoints, answered by the engine that owns the tokenizer.
+
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` the way vLLM's
+``ServingTokenization`` answers them: vLLM's request classes validate the body,
+the engine's renderer tokenises (with the chat template for ``messages``), and
+vLLM's response classes shape the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_core.requests import BadRequest, RequestBuilder, refusal
+
+
+class TokenizerEndpoints:
+    def __init__(self, builder: RequestBuilder):
+        self.builder = builder
+        self.model_config = builder.model_config
+        self.renderer = builder.renderer
+
+    def answer(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        handler = {"tokenize": self.tokenize, "detokenize": self.detokenize,
+                   "tokenizer_info": self.tokenizer_info}.get(kind)
+        if handler is None:
+            raise BadRequest(f"unknown tokenizer request {kind!r}")
+        try:
+            return handler(body)
+        except Exception as exc:
+            raise refusal(exc) from None
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        from vllm.entrypoints.serve.tokenize.protocol import (TokenizeChatRequest, TokenizeCompletionRequest,
+                                                              TokenizeResponse)
+        from vllm.renderers import merge_kwargs
+        from vllm.renderers.inputs.preprocess import extract_prompt_components, parse_model_prompt, prompt_to_seq
+        from vllm.utils.mistral import is_mistral_tokenizer
+
+        mc = self.model_config
+        if "messages" in body:
+            req = TokenizeChatRequest.model_validate(body)
+            self.builder.check_chat_template(req.chat_template, req.chat_template_kwargs)
+            tokenize = is_mistral_tokenizer(self.renderer.tokenizer) or mc.enable_prompt_embeds
+            chat_params = req.build_chat_params(None, "auto").with_defaults(
+                merge_kwargs(None, dict(tools=None, tokenize=tokenize)))
+            _, engine_inputs = self.renderer.render_chat([req.messages], chat_params, req.build_tok_params(mc))
+        else:
+            req = TokenizeCompletionRequest.model_validate(body)
+            prompts = [parse_model_prompt(mc, p) for p in prompt_to_seq(req.prompt)]
+            engine_inputs = self.renderer.render_cmpl(prompts, req.build_tok_params(mc))
+        ids: list[int] = []
+        for engine_input in engine_inputs:
+            ids.extend(extract_prompt_components(mc, engine_input).token_ids or ())
+        token_strs = self.renderer.get_tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(tokens=ids, token_strs=token_strs, count=len(ids),
+                                max_model_len=mc.max_model_len).model_dump()
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, DetokenizeResponse
+        from vllm.inputs import TokensPrompt
+
+        req = DetokenizeRequest.model_validate(body)
+        prompt = self.renderer.tokenize_prompt(TokensPrompt(prompt_token_ids=req.tokens),
+                                               req.build_tok_params(self.model_config))
+        return DetokenizeResponse(prompt=prompt["prompt"]).model_dump()
+
+    def tokenizer_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizerInfoResponse
+        from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo
+
+        # vLLM adds the server's --chat-template (servectl has none) to the tokenizer's own config.
+        info = TokenizerInfo(self.renderer.get_tokenizer(), None).to_dict()
+        return TokenizerInfoResponse(**info).model_dump()
