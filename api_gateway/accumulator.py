@@ -1,13 +1,14 @@
 """One response, built from the engine's deltas, for streamed and whole answers alike.
 
 The engine sends, per step, one ``Delta`` per choice of each request: new
-text, token ids, logprob entries, a finish reason, and on a request's first
-step its prompt's token count (and, for echo, the prompt's text and
-logprobs). ``ResponseAccumulator.add`` is the one place that reads a delta:
-it counts usage, notes the first token's time, puts the echoed prompt in
-front of a choice's first output and maps (prompt, choice) to the response's
-choice index. A stream turns each result into a chunk; a whole response
-keeps them and builds its body at the end. Pure: no I/O, clock injectable.
+text, token ids, logprob entries, a finish and stop reason, and on a request's
+first delta its ``PromptInfo`` (token count and ids, echo, prompt logprobs,
+the chat role). ``ResponseAccumulator.add`` is the one place that reads a
+delta: it counts usage, notes the first token's time, puts the echo in front of
+a choice's first output and maps (prompt, choice) to the response's choice
+index. A stream turns each result into chunks (``chunks``) the way vLLM's
+server does — a chat stream opens with a role chunk per choice, then its echo —
+and a whole response keeps them for ``response()``. Pure: no I/O, clock injectable.
 """
 
 from __future__ import annotations
@@ -15,22 +16,44 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import msgspec
+
 from api_gateway import openai_types as H
 from api_gateway.translate import chat_logprobs, completion_logprobs
-from servectl.wire.engine import Delta
+from servectl.wire.engine import Delta, PromptInfo
 
 
 class ChoiceDelta:
     """What one delta adds to one choice of the response."""
 
-    __slots__ = ("index", "text", "logprobs", "finish_reason", "first")
+    __slots__ = ("pi", "index", "text", "entries", "token_ids", "finish_reason", "stop_reason", "first",
+                 "opens_request", "empty")
 
-    def __init__(self, index: int, text: str, logprobs: list, finish_reason: str | None, first: bool):
+    def __init__(self, pi: int, index: int, text: str, entries: list, token_ids: list[int],
+                 finish_reason: str | None, stop_reason, first: bool, opens_request: bool, empty: bool):
+        self.pi = pi  # the prompt (engine request) it belongs to
         self.index = index  # the choice's index in the response: prompt index * n + choice
-        self.text = text  # with the echoed prompt in front on the choice's first delta
-        self.logprobs = logprobs  # entries of this delta's tokens (the echoed prompt's first)
+        self.text = text  # with the echo in front on a completion choice's first delta
+        self.entries = entries  # logprob entries of this delta's tokens (a completion's echoed prompt first)
+        self.token_ids = token_ids  # the generated tokens (never the echoed prompt's)
         self.finish_reason = finish_reason
-        self.first = first  # the choice's first delta (a chat stream names the role in it)
+        self.stop_reason = stop_reason
+        self.first = first  # the choice's first delta
+        self.opens_request = opens_request  # the request's first delta (it carried the PromptInfo)
+        self.empty = empty  # nothing to show (vLLM sends no chunk for it)
+
+
+class _Choice:
+    __slots__ = ("texts", "entries", "token_ids", "finish", "stop_reason", "tokens", "offset")
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.entries: list = []
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
+        self.stop_reason = None
+        self.tokens = 0  # generated so far (continuous usage)
+        self.offset = 0  # completions logprobs: text offset of the next token
 
 
 class ResponseAccumulator:
@@ -45,22 +68,21 @@ class ResponseAccumulator:
                  clock: Callable[[], float] = time.monotonic):
         self.model = req.model
         self.chat = chat
-        self.n = req.n
-        self.echo = bool(getattr(req, "echo", False))
+        self.n = req.n or 1
         # Chat: logprobs is a bool; completions: the number of alternatives, or None for none.
-        self.logprobs = req.logprobs if chat else req.logprobs is not None
-        self.top_k = 0 if chat else req.logprobs
+        self.logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        self.echo_only = not chat and bool(req.echo) and req.max_tokens == 0
+        self.return_token_ids = bool(req.return_token_ids)
+        opts = req.stream_options
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         self.id = response_id
         self.keep = keep
         self.clock = clock
         self.prompt_tokens = [0] * prompts
         self.completion_tokens = 0
         self.first_token_at: float | None = None
-        self.echoes: dict[int, tuple[str, list]] = {}  # prompt index -> (prompt text, prompt logprobs)
-        self.started: set[int] = set()  # choice indexes that have had a delta
-        self.texts: dict[int, list[str]] = {}
-        self.entries: dict[int, list] = {}
-        self.finish: dict[int, str | None] = {}
+        self.infos: dict[int, PromptInfo] = {}  # prompt index -> its PromptInfo
+        self.choices: dict[int, _Choice] = {}
 
     def add(self, pi: int, d: Delta) -> ChoiceDelta:
         """Account for one delta of prompt ``pi``'s request."""
@@ -68,69 +90,122 @@ class ResponseAccumulator:
             if self.first_token_at is None:
                 self.first_token_at = self.clock()
             self.completion_tokens += len(d.token_ids)
-        if d.prompt_tokens is not None:
-            self.prompt_tokens[pi] = d.prompt_tokens
-        if d.prompt_logprobs is not None:
-            self.echoes[pi] = (d.prompt_text or "", d.prompt_logprobs)
+        opens = d.prompt is not None
+        if opens:
+            self.infos[pi] = d.prompt
+            self.prompt_tokens[pi] = d.prompt.tokens
         index = pi * self.n + d.index
-        first = index not in self.started
-        if first:
-            self.started.add(index)
-        text = d.text
-        entries = d.logprobs or []
-        if first and self.echo and pi in self.echoes:
-            prompt_text, prompt_entries = self.echoes[pi]
-            text = prompt_text + text
-            entries = prompt_entries + entries
-        if self.keep:
-            self.texts.setdefault(index, []).append(text)
-            if entries:
-                self.entries.setdefault(index, []).extend(entries)
-            if d.finish_reason is not None:
-                self.finish[index] = d.finish_reason
+        first = index not in self.choices
+        choice = self.choices.setdefault(index, _Choice())
+        choice.tokens += len(d.token_ids)
+        text, entries = d.text, d.logprobs or []
+        info = self.infos.get(pi)
+        if first and not self.chat and info is not None and info.echo_text is not None:
+            if self.echo_only:  # the prompt only: the one token vLLM generated for it is not shown
+                text, entries = info.echo_text, info.echo_logprobs or []
             else:
-                self.finish.setdefault(index, None)
-        return ChoiceDelta(index, text, entries, d.finish_reason, first)
+                text, entries = info.echo_text + text, (info.echo_logprobs or []) + entries
+        elif self.echo_only:
+            text, entries = "", []
+        if self.keep:
+            choice.texts.append(text)
+            choice.entries.extend(entries)
+            choice.token_ids.extend(d.token_ids)
+        if d.finish_reason is not None:
+            choice.finish, choice.stop_reason = d.finish_reason, d.stop_reason
+        empty = not text and not d.token_ids and d.finish_reason is None and not entries
+        return ChoiceDelta(pi, index, text, entries, d.token_ids, d.finish_reason, d.stop_reason, first, opens,
+                           empty)
 
     def usage(self) -> H.Usage:
         prompt = sum(self.prompt_tokens)
         return H.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                        total_tokens=prompt + self.completion_tokens)
 
-    def _logprobs(self, entries: list) -> H.ChatLogprobs | H.CompletionLogprobs | None:
-        if not self.logprobs:
+    def _choice_usage(self, pi: int, index: int) -> H.Usage | None:
+        if not self.continuous_usage:
             return None
-        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, self.top_k)
+        prompt, done = self.prompt_tokens[pi], self.choices[index].tokens if index in self.choices else 0
+        return H.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
-    def chunk(self, part: ChoiceDelta, created: int) -> H.ChatCompletionChunk | H.CompletionResponse:
-        """One server-sent event's body for one delta."""
+    # ---- a stream ------------------------------------------------------------------------------
+    def chunks(self, part: ChoiceDelta, created: int) -> list[H.ChatCompletionChunk | H.CompletionResponse]:
+        """The server-sent events' bodies for one delta (none for an empty one)."""
+        out: list = []
+        info = self.infos.get(part.pi)
+        if self.chat and part.opens_request:
+            out.extend(self._chat_openers(info, created))
+        if part.empty:
+            return out
         if self.chat:
-            delta = H.DeltaMessage(content=part.text, role="assistant" if part.first else None)
-            return H.ChatCompletionChunk(id=self.id, created=created, model=self.model, choices=[
-                H.ChatChunkChoice(index=part.index, delta=delta, finish_reason=part.finish_reason,
-                                  logprobs=self._logprobs(part.logprobs))])
-        return H.CompletionResponse(id=self.id, created=created, model=self.model, choices=[
-            H.CompletionChoice(index=part.index, text=part.text, finish_reason=part.finish_reason,
-                               logprobs=self._logprobs(part.logprobs))])
+            logprobs = chat_logprobs(part.entries) if self.logprobs else None
+            out.append(H.ChatCompletionChunk(
+                id=self.id, object="chat.completion.chunk", created=created, model=self.model,
+                usage=self._choice_usage(part.pi, part.index), choices=[H.ChatChunkChoice(
+                    index=part.index, delta=H.DeltaMessage(content=part.text), logprobs=logprobs,
+                    finish_reason=part.finish_reason,
+                    stop_reason=msgspec.UNSET if part.finish_reason is None else part.stop_reason,
+                    token_ids=part.token_ids if self.return_token_ids else None)]))
+            return out
+        logprobs = None
+        if self.logprobs:
+            choice = self.choices[part.index]
+            logprobs, choice.offset = completion_logprobs(part.entries, choice.offset)
+        choice_data = H.CompletionChoice(
+            index=part.index, text=part.text, logprobs=logprobs, finish_reason=part.finish_reason,
+            stop_reason=part.stop_reason, token_ids=part.token_ids if self.return_token_ids else None,
+            # vLLM's stream sends the prompt's ids with a choice's first chunk under return_token_ids,
+            # and with an echo even without it (the engine sends them in both cases).
+            prompt_token_ids=info.token_ids if part.first and info else None)
+        out.append(H.CompletionResponse(id=self.id, object="text_completion", created=created, model=self.model,
+                                        choices=[choice_data], usage=self._choice_usage(part.pi, part.index)))
+        return out
+
+    def _chat_openers(self, info: PromptInfo, created: int) -> list[H.ChatCompletionChunk]:
+        """vLLM's first chunks of a chat stream: the role of every choice, then every choice's echo."""
+        usage = H.Usage(prompt_tokens=info.tokens, completion_tokens=0, total_tokens=info.tokens) \
+            if self.continuous_usage else None
+        out = [H.ChatCompletionChunk(
+            id=self.id, object="chat.completion.chunk", created=created, model=self.model, usage=usage,
+            prompt_token_ids=info.token_ids if self.return_token_ids else None, prompt_text=info.prompt_text,
+            choices=[H.ChatChunkChoice(index=i, delta=H.DeltaMessage(role=info.role or "assistant", content=""),
+                                       logprobs=None, finish_reason=None)]) for i in range(self.n)]
+        if info.echo_text:
+            out.extend(H.ChatCompletionChunk(
+                id=self.id, object="chat.completion.chunk", created=created, model=self.model, usage=usage,
+                choices=[H.ChatChunkChoice(index=i, delta=H.DeltaMessage(content=info.echo_text), logprobs=None,
+                                           finish_reason=None)]) for i in range(self.n))
+        return out
 
     def usage_chunk(self, created: int) -> H.ChatCompletionChunk | H.CompletionResponse:
         """The stream's last event when the client asked for `stream_options.include_usage`."""
-        cls = H.ChatCompletionChunk if self.chat else H.CompletionResponse
-        return cls(id=self.id, created=created, model=self.model, choices=[], usage=self.usage())
+        if self.chat:
+            return H.ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=created,
+                                         model=self.model, choices=[], usage=self.usage())
+        return H.CompletionResponse(id=self.id, object="text_completion", created=created, model=self.model,
+                                    choices=[], usage=self.usage())
 
+    # ---- a whole response ------------------------------------------------------------------------
     def response(self, created: int) -> H.ChatCompletionResponse | H.CompletionResponse:
         """The whole answer (needs keep=True): every choice that had output, in index order."""
-        indexes = sorted(self.texts)
+        ids = self.return_token_ids
         if self.chat:
-            return H.ChatCompletionResponse(id=self.id, created=created, model=self.model, usage=self.usage(),
-                                            choices=[H.ChatChoice(
-                                                index=i, message=H.ResponseMessage(content="".join(self.texts[i])),
-                                                finish_reason=self.finish[i],
-                                                logprobs=self._logprobs(self.entries.get(i, [])))
-                                                for i in indexes])
-        return H.CompletionResponse(id=self.id, created=created, model=self.model, usage=self.usage(),
-                                    choices=[H.CompletionChoice(
-                                        index=i, text="".join(self.texts[i]), finish_reason=self.finish[i],
-                                        logprobs=self._logprobs(self.entries.get(i, [])))
-                                        for i in indexes])
-
+            info = self.infos.get(0) or PromptInfo(tokens=0)
+            echo = info.echo_text or ""
+            return H.ChatCompletionResponse(
+                id=self.id, object="chat.completion", created=created, model=self.model, usage=self.usage(),
+                prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None,
+                prompt_text=info.prompt_text, choices=[H.ChatChoice(
+                    index=i, message=H.ResponseMessage(role=info.role or "assistant", content=echo + "".join(c.texts)),
+                    logprobs=chat_logprobs(c.entries) if self.logprobs else None, finish_reason=c.finish or "stop",
+                    stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None)
+                    for i, c in sorted(self.choices.items())])
+        choices = []
+        for i, c in sorted(self.choices.items()):
+            info = self.infos.get(i // self.n) or PromptInfo(tokens=0)
+            choices.append(H.CompletionChoice(
+                index=i, text="".join(c.texts), logprobs=completion_logprobs(c.entries)[0] if self.logprobs else None,
+                finish_reason=c.finish, stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None,
+                prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None))
+        return H.CompletionResponse(id=self.id, object="text_completion", created=created, model=self.model,
+                                    choices=choices, usage=self.usage())

@@ -27,13 +27,15 @@ from aiohttp import web
 
 from api_gateway import openai_types as H
 from api_gateway.engines import EngineLink
-from api_gateway.errors import EngineUnavailable, HttpError, error_body, http_error_body, unavailable, validation_error
+from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
+                                refused_by_engine, unavailable, validation_error)
+from api_gateway.fields import IGNORED_HEADER, classify
 from api_gateway.generate import Generator
 from api_gateway.http_policy import CorsPolicy, HostPolicy, is_json_content_type
 from api_gateway.http_server import make_runner
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
-from api_gateway.translate import chat_messages, generate_messages, normalize_prompts
+from api_gateway.translate import check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
 from servectl.wire import engine as EP
@@ -41,6 +43,9 @@ from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
+
+# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer endpoints).
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 def error_response(exc: HttpError) -> web.Response:
@@ -119,7 +124,7 @@ class Gateway:
                 response = web.Response(status=204, headers=self.cors.preflight_headers(
                     origin, request.headers.get("Access-Control-Request-Headers")))
             else:
-                if self.keys and request.path.startswith("/v1/"):
+                if self.keys and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
                     self.check_auth(request)
                 response = await handler(request)
         except asyncio.CancelledError:
@@ -140,6 +145,7 @@ class Gateway:
             response = error_response(HttpError(500, "internal error", "internal_error"))
         if not response.prepared:
             response.headers["X-Request-Id"] = rid
+            response.headers.update(request.get("extra_headers", {}))
         self.access(request, 499 if request["log"].get("client") == "gone" else response.status, started, rid)
         return response
 
@@ -174,7 +180,12 @@ class Gateway:
                 response.headers.setdefault(name, value)
 
     # ---- body parsing ---------------------------------------------------------------------
-    async def read_json(self, request: web.Request, typ, unsupported: tuple[str, ...]):
+    async def read_json(self, request: web.Request, endpoint: str):
+        """(the validated request, the supported fields as sent) of a JSON body for ``endpoint``.
+
+        Refused and legacy fields are a 400 naming them (fields.classify); unknown ones are
+        named in a warning and in the response's x-servectl-ignored-fields header.
+        """
         ctype = request.headers.get("Content-Type")
         if not is_json_content_type(ctype):
             # Not text/plain nor a form: those a page may POST cross-site without a preflight.
@@ -199,16 +210,31 @@ class Gateway:
             raise HttpError(400, "invalid JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise HttpError(400, "the request body must be a JSON object")
-        named = [k for k in unsupported if raw.get(k) not in (None, [], {}) and not (k == "best_of" and raw[k] == 1)]
-        if named:
-            raise HttpError(400, f"not supported by servectl: {', '.join(named)}", param=named[0],
-                            code="unsupported_parameter")
+        forward, unknown = classify(endpoint, raw)
+        if unknown:
+            # Client-given names: escaped and capped for the log line and the header alike.
+            shown = [escape(k, 64).encode("ascii", "backslashreplace").decode() for k in sorted(unknown)[:16]]
+            names = ", ".join(shown) + (f", ... ({len(unknown)} in all)" if len(unknown) > 16 else "")
+            log.warning("%s %s: ignored field(s) neither OpenAI nor vLLM defines: %s (rid=%s)", escape(request.method),
+                        escape(request.path), names, request["request_id"])
+            request.setdefault("extra_headers", {})[IGNORED_HEADER] = names
+        typ = {"completion": H.CompletionRequest, "chat": H.ChatCompletionRequest, "tokenize": H.TokenizeRequest,
+               "detokenize": H.DetokenizeRequest}[endpoint]
         try:
-            return msgspec.convert(raw, typ)
+            return msgspec.convert(forward, typ), forward
         except msgspec.ValidationError as exc:
             raise validation_error(exc) from None
         except RecursionError:
             raise HttpError(400, "the request is nested too deeply") from None
+
+    def model_for(self, model: str | None) -> str:
+        """The model a request names; without a name, the one served model (as `vllm serve`)."""
+        if model is not None:
+            return model
+        if len(self.links) == 1:
+            return next(iter(self.links))
+        raise HttpError(400, f"name the model: several are served ({', '.join(sorted(self.links))})",
+                        param="model")
 
     def link_for(self, model: str) -> EngineLink:
         link = self.links.get(model)
@@ -264,35 +290,42 @@ class Gateway:
         return web.json_response(spec())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self.read_json(request, H.CompletionRequest, H.UNSUPPORTED_COMPLETION)
+        req, forward = await self.read_json(request, "completion")
         prompts = normalize_prompts(req.prompt)
-        return await self.serve(request, req, prompts, chat=False)
+        return await self.serve(request, req, forward, prompts, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await self.read_json(request, H.ChatCompletionRequest, H.UNSUPPORTED_CHAT)
-        return await self.serve(request, req, [chat_messages(req.messages)], chat=True)
+        req, forward = await self.read_json(request, "chat")
+        check_messages(req.messages)
+        return await self.serve(request, req, forward, None, chat=True)
 
     # ---- admission --------------------------------------------------------------------------
-    async def serve(self, request: web.Request, req, prompts: list, chat: bool) -> web.StreamResponse:
+    async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
+                    chat: bool) -> web.StreamResponse:
+        req.model = self.model_for(req.model)
         request["log"]["model"] = req.model
         link = self.link_for(req.model)
         if self.draining:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        # Admission counts sequences (prompts × n), the engine's unit of work.
-        seqs = len(prompts) * req.n
+        # Admission counts sequences (prompts × n), the engine's unit of work (a chat is one prompt).
+        n, count = req.n or 1, 1 if prompts is None else len(prompts)
+        seqs = count * n
         cap = self.cfg.max_sequences_per_request
         if seqs > cap:
-            raise HttpError(400, f"{len(prompts)} prompt(s) × n={req.n} is {seqs} sequences; at most {cap} per "
-                                 "request", param="prompt" if len(prompts) > 1 else "n", code="too_many_sequences")
+            raise HttpError(400, f"{count} prompt(s) × n={n} is {seqs} sequences; at most {cap} per "
+                                 "request", param="prompt" if count > 1 else "n", code="too_many_sequences")
         # Per gateway process: sequences beyond what the engine runs at once. A request alone
         # in the queue is always admitted (it fits the per-request cap).
         if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
             raise HttpError(429, f"too many requests waiting for model {req.model!r} "
                                  f"(limit {self.cfg.max_waiting_per_model} sequences)", "rate_limit_error",
                             code="too_many_waiting", headers={"Retry-After": "1"})
-        base = self.new_request_id()
-        gens = generate_messages(req, prompts, chat, self.new_request_id)
-        run = self.generator.run(link, gens, req.n)  # a request the engine cannot take is a 400 here
+        # The response id, as vLLM's: the X-Request-Id header (when plain), else the body's
+        # request_id, else ours.
+        header = request.headers.get("X-Request-Id")
+        base = header if header and header == request["request_id"] else req.request_id or self.new_request_id()
+        gens = generate_messages(forward, prompts, self.new_request_id)
+        run = self.generator.run(link, gens, n)  # a request the engine cannot take is a 400 here
         self.in_flight += 1
         link.admitted += seqs
         self.idle.clear()
@@ -308,6 +341,36 @@ class Gateway:
             if self.in_flight == 0:
                 self.idle.set()
 
+    # ---- tokenizer endpoints (vLLM's; answered by the model's engine) -------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req, forward = await self.read_json(request, "tokenize")
+        if (req.prompt is None) == (req.messages is None):
+            raise HttpError(400, "send either `prompt` or `messages`", param="prompt")
+        if req.messages is not None:
+            check_messages(req.messages)
+        return await self.ask_tokenizer(request, req.model, "tokenize", forward)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req, forward = await self.read_json(request, "detokenize")
+        return await self.ask_tokenizer(request, req.model, "detokenize", forward)
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return await self.ask_tokenizer(request, request.query.get("model"), "tokenizer_info", {})
+
+    async def ask_tokenizer(self, request: web.Request, model: str | None, kind: str, body: dict) -> web.Response:
+        model = self.model_for(model)
+        link = self.link_for(model)
+        request["log"]["model"] = model
+        try:
+            await link.wait_ready(self.cfg.hold_timeout_s)
+            answer = await link.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind, body=body),
+                                          self.cfg.output_timeout_s)
+        except EngineUnavailable as exc:
+            raise unavailable(exc) from None
+        except EngineRequestError as exc:
+            raise refused_by_engine(exc) from None
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+
     # ---- lifecycle ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes)
@@ -321,6 +384,9 @@ class Gateway:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     async def run(self, listen_fd: int) -> int:

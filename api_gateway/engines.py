@@ -127,6 +127,7 @@ class EngineLink:
         self.sndhwm: int | None = None  # zmq's default (1000 frames) unless a test makes it small
         self._abort_ids: list[str] = []  # aborts not yet on the socket, sent in order by one task
         self._abort_task: asyncio.Task | None = None
+        self.replies: dict[str, asyncio.Future] = {}  # tokenizer requests awaiting their answer
 
     @property
     def is_ready(self) -> bool:
@@ -211,6 +212,10 @@ class EngineLink:
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.sink.put_nowait((stream.request_id, EngineUnavailable(why, retry_after=5)))
+        replies, self.replies = self.replies, {}
+        for fut in replies.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(why, retry_after=5))
 
     async def _handshake_then_read(self, sock: zmq.asyncio.Socket, incarnation: str) -> None:
         await sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
@@ -247,6 +252,13 @@ class EngineLink:
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:
                 stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))
+            fut = self.replies.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineRequestError(msg.message, msg.status, msg.param))
+        elif isinstance(msg, EP.TokenizerReply):
+            fut = self.replies.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.body)
 
     def _on_hello(self, msg: EP.HelloReply, incarnation: str) -> None:
         if msg.version != EP.PROTOCOL_VERSION:
@@ -328,6 +340,24 @@ class EngineLink:
             raise EngineUnavailable(f"model {self.model!r} is restarting") from None
         except zmq.ZMQError as exc:
             raise EngineUnavailable(f"model {self.model!r} is not reachable: {exc}") from None
+
+    async def tokenizer(self, msg: EP.Tokenizer, timeout_s: float) -> dict:
+        """Ask the engine a tokenizer question; its answer (vLLM's response body), or the
+        engine's refusal (``EngineRequestError``), or ``EngineUnavailable``."""
+        if self.state is not S.READY:
+            raise EngineUnavailable(f"model {self.model!r} is restarting")
+        fut = asyncio.get_running_loop().create_future()
+        self.replies[msg.request_id] = fut
+        try:
+            await self._send(self.sock, EP.encoder.encode(msg), "a tokenizer request")
+            # event-proof: the engine answers between two steps; only a hung engine lets this pass.
+            async with asyncio.timeout(timeout_s):
+                return await fut
+        except TimeoutError:
+            raise EngineStalled(f"model {self.model!r} did not answer within {timeout_s:g}s",
+                                retry_after=10) from None
+        finally:
+            self.replies.pop(msg.request_id, None)
 
     def queued(self, more: int = 0) -> int:
         """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what

@@ -63,7 +63,8 @@ class Generator:
                             content_type="application/json")
 
     async def stream(self, request: web.Request, req, run: RequestRun, acc: ResponseAccumulator) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        resp = web.StreamResponse(headers={**request.get("extra_headers", {}),
+                                           "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": request["request_id"]})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
@@ -93,7 +94,8 @@ class Generator:
             try:
                 item = first
                 while item is not None:
-                    await send(acc.chunk(acc.add(*item), created))
+                    for chunk in acc.chunks(acc.add(*item), created):
+                        await send(chunk)
                     try:
                         item = await gen.__anext__()
                     except StopAsyncIteration:

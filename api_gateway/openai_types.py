@@ -8,86 +8,160 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+# Shapes and sizes only: the values are judged by vLLM's own request classes in
+# the engine (the same validation as `vllm serve`). Field for field these are
+# the fields of vLLM 0.32's CompletionRequest and ChatCompletionRequest that
+# servectl supports (docs/api.md; api_gateway/fields.py has the rest).
+
 # Integers travel to the engine as msgpack, which holds 64 bits: every integer a
 # client sends is bounded here, so an out-of-range one is a 400 naming its field
-# (vLLM bounds `seed` to int64 the same way).
+# (vLLM bounds `seed` and `priority` to int64 the same way).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-# vLLM's SamplingParams: temperature in [0, 2] (it answers 400 beyond).
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-MaxTokens = Annotated[int, Meta(ge=1, le=INT64_MAX)]
-N = Annotated[int, Meta(ge=1, le=64)]
+N = Annotated[int, Meta(ge=1, le=64)]  # servectl's cap on choices per prompt (vLLM has none)
 
 
-class StreamOptions(Struct, kw_only=True):
-    include_usage: bool = False
+class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
-    name: str = "schema"
-    schema_: dict[str, Any] = msgspec.field(name="schema", default_factory=dict)
-    strict: bool | None = None
+    name: str
     description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(name="schema", default=None)
+    strict: bool | None = None
 
 
 class ResponseFormat(Struct, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (vLLM): `format`, or the legacy `structures` + `triggers`.
+    format: Any = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
-class _Sampling(Struct, kw_only=True):
-    model: str
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's StructuredOutputsParams. An unknown key here is a 400 (a misspelt
+    constraint would otherwise leave the output unconstrained)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+class _Request(Struct, kw_only=True):
+    """Fields both generation endpoints share (vLLM's names, types and defaults)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: N | None = 1
+    presence_penalty: float | None = None
     seed: Int64 | None = None
-    n: N = 1
     stop: str | list[str] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    response_format: ResponseFormat | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     user: str | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    watermarking: bool | None = None
+    stop_token_ids: list[Int64] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Int64 | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    prompt_logprobs: Int64 | None = None
+    logprob_token_ids: list[Int64] | None = None
+    bad_words: list[str] = []
+    add_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    priority: Int64 = 0
+    request_id: str | None = None
+    session_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: Int64 | None = None
+    stream_interval: Int64 | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
-    # A string, a list of strings, token ids, or lists of token ids (checked
-    # by the gateway: msgspec unions hold one array type).
+class CompletionRequest(_Request, kw_only=True):
+    # A string, a list of strings, token ids, or lists of token ids (told apart
+    # by translate.normalize_prompts: msgspec unions hold one array type).
     prompt: str | list[Any]
-    max_tokens: MaxTokens | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = False
+    logprobs: Int64 | None = None
+    max_tokens: Int64 | None = 16
+    suffix: str | None = None
 
 
 class ChatMessage(Struct, kw_only=True):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    """A message's shape; the message itself goes to the engine as sent (vLLM validates it)."""
+
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+class ChatCompletionRequest(_Request, kw_only=True):
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = 0
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
 
 
-# Fields that belong to the OpenAI API but servectl does not implement: a
-# request that sets one gets a 400 naming it, never silent ignoring.
-UNSUPPORTED_COMPLETION = ("suffix", "best_of")
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                    "modalities", "prediction", "web_search_options")
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's TokenizeCompletionRequest, or with `messages` its TokenizeChatRequest."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[Annotated[int, Meta(ge=0, le=INT64_MAX)]]
 
 
 # ---- responses ---------------------------------------------------------------
+
+# Fields without a default are always written (OpenAI's shape, and vLLM's
+# `stop_reason`); vLLM's optional extras are written only when asked for.
 
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
@@ -96,22 +170,26 @@ class Usage(Struct, kw_only=True):
 
 
 class CompletionLogprobs(Struct, kw_only=True):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
 
 
-class CompletionChoice(Struct, kw_only=True):
+class CompletionChoice(Struct, kw_only=True, omit_defaults=True):
     index: int
     text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+    prompt_logprobs: list[Any] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(Struct, kw_only=True):
+class CompletionResponse(Struct, kw_only=True, omit_defaults=True):
     id: str
-    object: str = "text_completion"
+    object: str  # always written: omit_defaults would drop a default
     created: int
     model: str
     choices: list[CompletionChoice]
@@ -140,20 +218,25 @@ class ResponseMessage(Struct, kw_only=True):
     content: str | None = None
 
 
-class ChatChoice(Struct, kw_only=True):
+class ChatChoice(Struct, kw_only=True, omit_defaults=True):
     index: int
     message: ResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(Struct, kw_only=True):
+class ChatCompletionResponse(Struct, kw_only=True, omit_defaults=True):
     id: str
-    object: str = "chat.completion"
+    object: str  # always written: omit_defaults would drop a default
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[Any] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
@@ -161,20 +244,24 @@ class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     content: str | None = None
 
 
-class ChatChunkChoice(Struct, kw_only=True):
+class ChatChunkChoice(Struct, kw_only=True, omit_defaults=True):
     index: int
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None | msgspec.UnsetType = msgspec.UNSET  # written on a choice's last chunk
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(Struct, kw_only=True):
+class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
     id: str
-    object: str = "chat.completion.chunk"
+    object: str  # always written: omit_defaults would drop a default
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class ModelCard(Struct, kw_only=True):

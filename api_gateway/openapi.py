@@ -14,7 +14,8 @@ def spec() -> dict:
     from servectl import __version__
 
     types = [H.CompletionRequest, H.ChatCompletionRequest, H.CompletionResponse, H.ChatCompletionResponse,
-             H.ChatCompletionChunk, H.ModelList, H.ModelCard, H.ErrorResponse]
+             H.ChatCompletionChunk, H.ModelList, H.ModelCard, H.ErrorResponse, H.TokenizeRequest,
+             H.DetokenizeRequest]
     (schemas), components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     ref = dict(zip([t.__name__ for t in types], schemas))
     error = {"description": "error", "content": {"application/json": {"schema": ref["ErrorResponse"]}}}
@@ -40,6 +41,19 @@ def spec() -> dict:
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "one model", "content": {
                     "application/json": {"schema": ref["ModelCard"]}}}, "404": error}}},
+            "/tokenize": {"post": {
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref["TokenizeRequest"]}}},
+                "responses": {"200": {"description": "vLLM's TokenizeResponse: count, max_model_len, tokens, "
+                                                     "token_strs"}, "400": error, "401": error, "404": error}}},
+            "/detokenize": {"post": {
+                "requestBody": {"required": True,
+                                "content": {"application/json": {"schema": ref["DetokenizeRequest"]}}},
+                "responses": {"200": {"description": "vLLM's DetokenizeResponse: prompt"}, "400": error,
+                              "401": error, "404": error}}},
+            "/tokenizer_info": {"get": {
+                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the tokenizer's configuration (vLLM's TokenizerInfoResponse)"},
+                              "401": error, "404": error}}},
             "/health": {"get": {"responses": {"200": {"description": "every model ready"},
                                               "503": {"description": "some model not ready"}}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
