@@ -362,6 +362,30 @@ def _nothing_left_running(request):
             assert_nothing_running(d)
 
 
+class VllmServe(NamedTuple):
+    base_url: str
+    log: Path
+
+
+@pytest.fixture(scope="session")
+def vllm_serve(tmp_path_factory):
+    """One `vllm serve` of the bundled model for the whole run, started as the benchmark starts
+    it (same venv, float32, eager, the same KV cache and max_model_len; bench/run.py: VllmServe).
+    Its model is served as `default`, without API keys."""
+    from bench.run import VllmServe as Server, wait_completion
+
+    server = Server(tmp_path_factory.mktemp("vllm-serve"))
+    server.start()
+    log = server.workdir / "vllm.log"
+    try:
+        if wait_completion(server.base, server.proc, 900) is None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            raise AssertionError(f"vllm serve did not answer a completion within 900 s:\n{tail}")
+        yield VllmServe(server.base, log)
+    finally:
+        server.stop()
+
+
 def read_stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 

@@ -15,6 +15,7 @@ import zmq
 
 import engine_core.core as core
 from engine_core.core import EngineServer, StepFailed
+from engine_core.requests import Built, OutputSpec
 from servectl.config import ModelConfig
 from servectl.wire import engine as P
 from servectl.wire.spawn import EngineSpec
@@ -49,7 +50,7 @@ class Engine:
     def get_tokenizer(self):
         return Tokenizer()
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, **kw):
         self.requests[rid] = prompt  # registered before it fails, as vLLM can
         if rid in self.fail_add:
             raise RuntimeError("scheduler refused it")
@@ -89,7 +90,8 @@ def server():
     srv = EngineServer(spec, engine, SimpleNamespace(frozen=False, overlapped_steps=0), a, b)
     srv.sent = []
     srv._send = lambda peer, msg: srv.sent.append(msg)
-    srv._build = lambda msg: (msg.prompt, SimpleNamespace())  # vLLM's request building is not under test
+    # vLLM's request building is not under test (tests/test_engine_requests.py has it).
+    srv._build = lambda msg: Built(msg.body["prompt"], SimpleNamespace(), 0, None, OutputSpec(chat=False, logprobs=0))
     yield srv
     a.close(0)
     b.close(0)
@@ -97,7 +99,7 @@ def server():
 
 
 def generate(srv, rid: str) -> None:
-    srv._on_generate(PEER, P.Generate(request_id=rid, prompt="hi"))
+    srv._on_generate(PEER, P.Generate(request_id=rid, kind="completion", body={"prompt": "hi"}))
 
 
 def test_a_request_vllm_refuses_halfway_is_dropped_from_vllm_and_answered(server):

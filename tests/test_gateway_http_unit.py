@@ -25,7 +25,7 @@ def error_shape(body) -> dict:
 
 def finish(rid: str, text: str = "y", index: int = 0, prompt_tokens: int | None = 1) -> EP.Delta:
     return EP.Delta(request_id=rid, index=index, text=text, token_ids=[7], finish_reason="length",
-                    prompt_tokens=prompt_tokens)
+                    prompt=None if prompt_tokens is None else EP.PromptInfo(tokens=prompt_tokens))
 
 
 def test_a_batch_larger_than_the_socket_queue_arrives_whole_and_is_aborted_whole():
@@ -41,7 +41,7 @@ def test_a_batch_larger_than_the_socket_queue_arrives_whole_and_is_aborted_whole
             msg = await h.engine.recv()
             assert isinstance(msg, EP.Generate), msg
             got.append(msg)
-        assert [g.prompt for g in got] == prompts
+        assert [g.body["prompt"] for g in got] == prompts
         assert len(h.link.streams) == 200
         client.cancel()  # the client walks away
         aborted = set()
@@ -76,7 +76,7 @@ def test_an_integer_msgpack_cannot_carry_is_a_400_and_nothing_is_sent():
         await h.ready()
         schema = {"type": "integer", "maximum": 2**70}
         status, body = await h.post("/v1/completions", {**COMPLETION, "response_format": {
-            "type": "json_schema", "json_schema": {"schema": schema}}})
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})  # vLLM requires a name
         assert status == 400 and "64-bit" in error_shape(body)["message"]
         for field, value in (("seed", 2**64), ("prompt", [2**64]), ("logit_bias", {str(2**64): 1}),
                              ("max_tokens", 2**63), ("top_k", 2**64)):
@@ -133,7 +133,8 @@ def test_a_non_streaming_client_that_goes_away_is_aborted():
         await h.ready()
         client = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "n": 2}))
         gen = await h.engine.recv()
-        await h.engine.step(EP.Delta(request_id=gen.request_id, text="a", token_ids=[1], prompt_tokens=1))
+        await h.engine.step(EP.Delta(request_id=gen.request_id, text="a", token_ids=[1],
+                                     prompt=EP.PromptInfo(tokens=1)))
         await asyncio.sleep(0.05)
         client.cancel()
         abort = await h.engine.recv()

@@ -19,8 +19,8 @@ from api_gateway import openai_types as H
 from api_gateway.accumulator import ResponseAccumulator
 from api_gateway.engines import TRANSITIONS, EngineLink, EngineUnavailable, LinkState
 from api_gateway.errors import EngineRequestError, HttpError, refused_by_engine, validation_error
-from api_gateway.translate import (chat_logprobs, chat_messages, completion_logprobs, generate_messages,
-                                   normalize_prompts, sampling_params)
+from api_gateway.translate import (check_messages, chat_logprobs, completion_logprobs, generate_messages,
+                                   normalize_prompts)
 from servectl.wire import engine as EP
 
 pytestmark = pytest.mark.unit
@@ -67,103 +67,23 @@ def test_normalize_prompts_refuses(prompt, message):
     assert (err.status, err.message, err.param) == (400, message, "prompt")
 
 
-def test_chat_messages_join_text_parts_and_fill_missing_content():
-    req = msgspec.convert({"model": "m", "messages": [
-        {"role": "system", "content": None},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "c", "name": "bot"}]}, H.ChatCompletionRequest)
-    assert chat_messages(req.messages) == [
-        {"role": "system", "content": "", "name": None},
-        {"role": "user", "content": "ab", "name": None},
-        {"role": "assistant", "content": "c", "name": "bot"}]
-
-
-def test_chat_messages_refuse_non_text_parts():
+def test_text_parts_pass_other_parts_are_refused():
+    check_messages(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                                  {"role": "assistant", "content": None}]).messages)
     req = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    err = raises_http(chat_messages, req.messages)
+    err = raises_http(check_messages, req.messages)
     assert (err.status, err.message, err.param) == (400, "only text content parts are supported", "messages")
 
 
-# ---- translate: sampling parameters -------------------------------------------------------
-
-def test_sampling_defaults():
-    assert sampling_params(completion(), chat=False) == ({"n": 1, "max_tokens": 16}, None)
-    assert sampling_params(chat(), chat=True) == ({"n": 1}, None)
-
-
-def test_sampling_passes_set_fields_through():
-    req = completion(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, presence_penalty=0.5,
-                     frequency_penalty=-0.5, repetition_penalty=1.2, stop="END", ignore_eos=True, n=3,
-                     max_tokens=9, logprobs=2)
-    assert sampling_params(req, chat=False) == ({
-        "n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 7, "presence_penalty": 0.5,
-        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "stop": ["END"], "ignore_eos": True,
-        "max_tokens": 9, "logprobs": 2}, None)
-
-
-def test_sampling_stop_list_and_zero_logprobs():
-    s, _ = sampling_params(completion(stop=["a", "b"], logprobs=0), chat=False)
-    assert s == {"n": 1, "stop": ["a", "b"], "max_tokens": 16, "logprobs": 0}
-
-
-@pytest.mark.parametrize("fields, max_tokens", [
-    ({"max_completion_tokens": 5, "max_tokens": 9}, 5),
-    ({"max_tokens": 9}, 9),
-    ({"max_completion_tokens": 4}, 4),
-])
-def test_chat_max_completion_tokens_wins(fields, max_tokens):
-    s, _ = sampling_params(chat(**fields), chat=True)
-    assert s["max_tokens"] == max_tokens
-
-
-def test_logit_bias_keys_become_token_ids():
-    s, _ = sampling_params(completion(logit_bias={"5": 1.5, "10": -100}), chat=False)
-    assert s["logit_bias"] == {5: 1.5, 10: -100.0}
-
-
-def test_logit_bias_refuses_non_token_keys():
-    err = raises_http(sampling_params, completion(logit_bias={"a": 1}), False)
-    assert (err.status, err.message, err.param) == (400, "logit_bias keys must be token ids", "logit_bias")
-
-
-@pytest.mark.parametrize("fields, logprobs", [
-    ({"logprobs": True, "top_logprobs": 3}, 3),
-    ({"logprobs": True}, 0),
-])
-def test_chat_logprobs_sampling(fields, logprobs):
-    s, _ = sampling_params(chat(**fields), chat=True)
-    assert s["logprobs"] == logprobs
-
-
-def test_chat_top_logprobs_needs_logprobs():
-    err = raises_http(sampling_params, chat(top_logprobs=2), True)
-    assert (err.status, err.message, err.param) == (400, "top_logprobs needs logprobs: true", "top_logprobs")
-
-
-@pytest.mark.parametrize("response_format, structured", [
-    ({"type": "text"}, None),
-    ({"type": "json_object"}, {"json_object": True}),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, {"json": {"type": "object"}}),
-])
-def test_response_format(response_format, structured):
-    assert sampling_params(chat(response_format=response_format), chat=True)[1] == structured
-
-
-def test_response_format_json_schema_needs_its_object():
-    err = raises_http(sampling_params, chat(response_format={"type": "json_schema"}), True)
-    assert (err.status, err.param) == (400, "response_format")
-    assert err.message == "response_format json_schema needs a `json_schema` object"
-
-
-def test_generate_messages_one_per_prompt():
+def test_generate_messages_one_per_prompt_with_the_fields_as_sent():
     ids = iter(["r1", "r2"])
-    gens = generate_messages(completion(echo=True, n=2), ["text", [5, 6]], False, lambda: next(ids))
+    forward = {"model": "m", "prompt": ["text", [5, 6]], "echo": True, "n": 2, "stop_token_ids": [3]}
+    gens = generate_messages(forward, ["text", [5, 6]], lambda: next(ids))
     assert gens == [
-        EP.Generate(request_id="r1", prompt="text", sampling={"n": 2, "max_tokens": 16}, echo=True),
-        EP.Generate(request_id="r2", prompt_token_ids=[5, 6], sampling={"n": 2, "max_tokens": 16}, echo=True)]
-    messages = [{"role": "user", "content": "hi"}]
-    [g] = generate_messages(chat(response_format={"type": "json_object"}), [messages], True, lambda: "c1")
-    assert g == EP.Generate(request_id="c1", messages=messages, sampling={"n": 1}, structured={"json_object": True})
+        EP.Generate(request_id="r1", kind="completion", body={**forward, "prompt": "text"}),
+        EP.Generate(request_id="r2", kind="completion", body={**forward, "prompt": [5, 6]})]
+    body = {"messages": [{"role": "user", "content": "hi", "x-extra": 1}], "structured_outputs": {"choice": ["a"]}}
+    assert generate_messages(body, None, lambda: "c1") == [EP.Generate(request_id="c1", kind="chat", body=body)]
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -185,54 +105,65 @@ def test_refused_by_engine(status, http_status, type_):
 
 # ---- logprobs -----------------------------------------------------------------------------
 
-ENTRIES = [["Hi", None, []], ["a", -0.1, [["a", -0.1], ["b", -2.0]]], ["bc", -0.5, [["bc", -0.5], ["d", -1.0]]]]
+# [token, logprob, alternatives, bytes] as the engine sends them (already chosen as vLLM's API would).
+ENTRIES = [["Hi", None, None, [72, 105]], ["a", -0.1, [["a", -0.1], ["b", -2.0]], [97]],
+           ["bc", -0.5, [["bc", -0.5], ["d", -1.0]], None]]
 
 
 def test_completion_logprobs():
-    assert completion_logprobs(ENTRIES, 1) == H.CompletionLogprobs(
-        tokens=["Hi", "a", "bc"], token_logprobs=[None, -0.1, -0.5], top_logprobs=[None, {"a": -0.1}, {"bc": -0.5}],
-        text_offset=[0, 2, 3])
-    assert completion_logprobs(ENTRIES, 0).top_logprobs == [None, None, None]
+    lp, offset = completion_logprobs(ENTRIES, 1)
+    assert lp == H.CompletionLogprobs(
+        tokens=["Hi", "a", "bc"], token_logprobs=[None, -0.1, -0.5],
+        top_logprobs=[None, {"a": -0.1, "b": -2.0}, {"bc": -0.5, "d": -1.0}], text_offset=[1, 3, 4])
+    assert offset == 6
+
+
+def test_completion_logprobs_alternatives_collapse_like_a_dict():
+    """vLLM keys the alternatives by their text: two tokens that decode alike keep one entry."""
+    lp, _ = completion_logprobs([["a", -0.1, [["a", -0.1], ["a", -3.0]], None]])
+    assert lp.top_logprobs == [{"a": -3.0}]
 
 
 def test_chat_logprobs():
     assert chat_logprobs(ENTRIES[:2]) == H.ChatLogprobs(content=[
-        H.ChatTokenLogprob(token="Hi", logprob=float("-inf"), bytes=[72, 105], top_logprobs=[]),
+        H.ChatTokenLogprob(token="Hi", logprob=-9999.0, bytes=[72, 105], top_logprobs=[]),
         H.ChatTokenLogprob(token="a", logprob=-0.1, bytes=[97], top_logprobs=[
             H.TopLogprob(token="a", logprob=-0.1, bytes=[97]), H.TopLogprob(token="b", logprob=-2.0, bytes=[98])])])
 
 
 # ---- the response accumulator -------------------------------------------------------------
 
-def delta(index=0, text="", tokens=(), finish=None, prompt_tokens=None, logprobs=None, echo=None) -> EP.Delta:
-    d = EP.Delta(request_id="r", index=index, text=text, token_ids=list(tokens), finish_reason=finish,
-                 prompt_tokens=prompt_tokens, logprobs=logprobs)
-    if echo is not None:
-        d.prompt_text, d.prompt_logprobs = echo
-    return d
+def delta(index=0, text="", tokens=(), finish=None, prompt=None, logprobs=None, stop_reason=None) -> EP.Delta:
+    if isinstance(prompt, int):
+        prompt = EP.PromptInfo(tokens=prompt)
+    return EP.Delta(request_id="r", index=index, text=text, token_ids=list(tokens), finish_reason=finish,
+                    stop_reason=stop_reason, prompt=prompt, logprobs=logprobs)
 
 
 # Two prompts, n=2: prompt 0 reports 3 prompt tokens, prompt 1 reports 2.
 TWO_BY_TWO = [
-    (0, delta(0, "a", [1], prompt_tokens=3)), (0, delta(1, "x", [2], prompt_tokens=3)),
-    (1, delta(0, "p", [3], prompt_tokens=2)), (1, delta(1, "q", [4], prompt_tokens=2)),
-    (0, delta(0, "b", [5], "stop")), (1, delta(0, "", [], "length")),
-    (0, delta(1, "y", [6, 7], "stop")), (1, delta(1, "r", [8], "stop")),
+    (0, delta(0, "a", [1], prompt=3)), (0, delta(1, "x", [2])),
+    (1, delta(0, "p", [3], prompt=2)), (1, delta(1, "q", [4])),
+    (0, delta(0, "b", [5], "stop", stop_reason="END")), (1, delta(0, "", [], "length")),
+    (0, delta(1, "y", [6, 7], "stop", stop_reason=9)), (1, delta(1, "r", [8], "stop")),
 ]
 
 
 def run(acc: ResponseAccumulator, items) -> list:
-    return [acc.chunk(acc.add(pi, d), created=1) for pi, d in items]
+    return [chunk for pi, d in items for chunk in acc.chunks(acc.add(pi, d), created=1)]
 
 
 def test_accumulator_whole_response_maps_prompt_and_choice_to_index():
     acc = ResponseAccumulator(completion(n=2), False, prompts=2, response_id="cmpl-1")
     run(acc, TWO_BY_TWO)
     body = acc.response(created=5)
-    assert [(c.index, c.text, c.finish_reason) for c in body.choices] == [
-        (0, "ab", "stop"), (1, "xy", "stop"), (2, "p", "length"), (3, "qr", "stop")]
+    assert [(c.index, c.text, c.finish_reason, c.stop_reason) for c in body.choices] == [
+        (0, "ab", "stop", "END"), (1, "xy", "stop", 9), (2, "p", "length", None), (3, "qr", "stop", None)]
     assert body.usage == H.Usage(prompt_tokens=5, completion_tokens=8, total_tokens=13)
     assert (body.id, body.created, body.model) == ("cmpl-1", 5, "m")
+    # OpenAI's fields and vLLM's stop_reason are always written; vLLM's extras only when asked for.
+    assert set(json.loads(H.encoder.encode(body))["choices"][0]) == {
+        "index", "text", "logprobs", "finish_reason", "stop_reason"}
 
 
 def test_accumulator_stream_and_whole_agree():
@@ -240,28 +171,29 @@ def test_accumulator_stream_and_whole_agree():
     run(whole, TWO_BY_TWO)
     streamed = ResponseAccumulator(completion(n=2), False, prompts=2, response_id="cmpl-1", keep=False)
     texts: dict[int, str] = {}
-    finish: dict[int, str] = {}
+    finish: dict[int, tuple] = {}
     for chunk in run(streamed, TWO_BY_TWO):
         [c] = chunk.choices
         texts[c.index] = texts.get(c.index, "") + c.text
         if c.finish_reason is not None:
-            finish[c.index] = c.finish_reason
+            finish[c.index] = (c.finish_reason, c.stop_reason)
     body = whole.response(created=1)
     assert texts == {c.index: c.text for c in body.choices}
-    assert finish == {c.index: c.finish_reason for c in body.choices}
+    assert finish == {c.index: (c.finish_reason, c.stop_reason) for c in body.choices}
     assert streamed.usage() == whole.usage()
-    assert streamed.usage_chunk(created=1) == H.CompletionResponse(id="cmpl-1", created=1, model="m", choices=[],
-                                                                   usage=whole.usage())
-    assert streamed.texts == {}  # a stream keeps nothing per choice
+    assert streamed.usage_chunk(created=1) == H.CompletionResponse(
+        id="cmpl-1", object="text_completion", created=1, model="m", choices=[], usage=whole.usage())
+    assert all(not c.texts for c in streamed.choices.values())  # a stream keeps nothing per choice
+
+
+ECHO_PROMPT = EP.PromptInfo(tokens=2, echo_text="Say hi", echo_logprobs=[
+    ["Say", None, None, None], [" hi", -1.0, [[" hi", -1.0]], None]])
 
 
 def test_accumulator_echo_puts_the_prompt_before_each_choice():
-    prompt_entries = [["Say", None, []], [" hi", -1.0, [[" hi", -1.0]]]]
-    items = [(0, delta(0, " there", [9], prompt_tokens=2, logprobs=[[" there", -0.5, [[" there", -0.5]]]],
-                       echo=("Say hi", prompt_entries))),
-             (0, delta(1, " you", [8], prompt_tokens=2, logprobs=[[" you", -0.7, [[" you", -0.7]]]],
-                       echo=("Say hi", prompt_entries))),
-             (0, delta(0, "!", [7], "stop", logprobs=[["!", -0.2, [["!", -0.2]]]]))]
+    items = [(0, delta(0, " there", [9], prompt=ECHO_PROMPT, logprobs=[[" there", -0.5, [[" there", -0.5]], None]])),
+             (0, delta(1, " you", [8], logprobs=[[" you", -0.7, [[" you", -0.7]], None]])),
+             (0, delta(0, "!", [7], "stop", logprobs=[["!", -0.2, [["!", -0.2]], None]]))]
     req = completion(n=2, echo=True, logprobs=1)
     whole = ResponseAccumulator(req, False, prompts=1, response_id="cmpl-1")
     chunks = run(whole, items)
@@ -271,46 +203,79 @@ def test_accumulator_echo_puts_the_prompt_before_each_choice():
     assert body.choices[0].logprobs == H.CompletionLogprobs(
         tokens=["Say", " hi", " there", "!"], token_logprobs=[None, -1.0, -0.5, -0.2],
         top_logprobs=[None, {" hi": -1.0}, {" there": -0.5}, {"!": -0.2}], text_offset=[0, 3, 6, 12])
+    # A stream's offsets run on from the choice's earlier chunks (vLLM's next_text_offsets).
     assert chunks[2].choices[0].logprobs == H.CompletionLogprobs(
-        tokens=["!"], token_logprobs=[-0.2], top_logprobs=[{"!": -0.2}], text_offset=[0])
+        tokens=["!"], token_logprobs=[-0.2], top_logprobs=[{"!": -0.2}], text_offset=[12])
     assert whole.usage() == H.Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5)
 
 
+def test_accumulator_echo_with_max_tokens_0_shows_the_prompt_only():
+    """vLLM generates one token for it and shows none of it, but counts it in usage."""
+    req = completion(echo=True, max_tokens=0, logprobs=0)
+    acc = ResponseAccumulator(req, False, prompts=1, response_id="cmpl-1")
+    run(acc, [(0, delta(0, "zz", [9], "length", prompt=ECHO_PROMPT, logprobs=[["zz", -0.1, [], None]]))])
+    [c] = acc.response(created=1).choices
+    assert (c.text, c.logprobs.tokens, c.finish_reason) == ("Say hi", ["Say", " hi"], "length")
+    assert acc.usage() == H.Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3)
+
+
 def test_accumulator_without_echo_leaves_the_prompt_out():
-    items = [(0, delta(0, " there", [9], "stop", prompt_tokens=2, echo=("Say hi", [["Say", None, []]])))]
+    items = [(0, delta(0, " there", [9], "stop", prompt=EP.PromptInfo(tokens=2)))]
     acc = ResponseAccumulator(completion(), False, prompts=1, response_id="cmpl-1")
     run(acc, items)
-    assert acc.response(created=1).choices == [H.CompletionChoice(index=0, text=" there", finish_reason="stop")]
+    assert acc.response(created=1).choices == [H.CompletionChoice(index=0, text=" there", logprobs=None,
+                                                                  finish_reason="stop", stop_reason=None)]
 
 
-def test_accumulator_chat_stream_names_the_role_once_per_choice():
-    items = [(0, delta(0, "He", [1], prompt_tokens=4)), (0, delta(1, "Yo", [2], prompt_tokens=4)),
-             (0, delta(0, "llo", [3], "stop")), (0, delta(1, "", [], "length"))]
-    acc = ResponseAccumulator(chat(n=2), True, prompts=1, response_id="chatcmpl-1", keep=False)
+def test_accumulator_token_ids_and_prompt_logprobs():
+    info = EP.PromptInfo(tokens=2, token_ids=[4, 5], prompt_logprobs=[None, {"5": {"logprob": -1.0, "rank": 1,
+                                                                                   "decoded_token": "x"}}])
+    acc = ResponseAccumulator(completion(return_token_ids=True), False, prompts=1, response_id="cmpl-1")
+    chunks = run(acc, [(0, delta(0, "a", [7], prompt=info)), (0, delta(0, "b", [8], "stop"))])
+    [c] = acc.response(created=1).choices
+    assert (c.token_ids, c.prompt_token_ids, c.prompt_logprobs) == ([7, 8], [4, 5], info.prompt_logprobs)
+    assert [(k.choices[0].token_ids, k.choices[0].prompt_token_ids) for k in chunks] == [([7], [4, 5]), ([8], None)]
+
+
+def test_accumulator_chat_stream_opens_with_roles_then_echo_then_content():
+    info = EP.PromptInfo(tokens=4, role="assistant", echo_text="def")
+    items = [(0, delta(0, "He", [1], prompt=info)), (0, delta(1, "Yo", [2])),
+             (0, delta(0, "llo", [3], "stop", stop_reason=2)), (0, delta(1, "", [], "length"))]
+    req = chat(n=2, echo=True, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    acc = ResponseAccumulator(req, True, prompts=1, response_id="chatcmpl-1", keep=False)
     chunks = run(acc, items)
-    assert [(c.choices[0].index, c.choices[0].delta, c.choices[0].finish_reason) for c in chunks] == [
-        (0, H.DeltaMessage(role="assistant", content="He"), None),
-        (1, H.DeltaMessage(role="assistant", content="Yo"), None),
-        (0, H.DeltaMessage(content="llo"), "stop"),
-        (1, H.DeltaMessage(content=""), "length")]
-    assert H.encoder.encode(chunks[2].choices[0].delta) == b'{"content":"llo"}'
+    unset = msgspec.UNSET  # stop_reason is written on a choice's last chunk only
+    assert [(c.choices[0].index, c.choices[0].delta, c.choices[0].finish_reason, c.choices[0].stop_reason,
+             c.usage.completion_tokens) for c in chunks] == [
+        (0, H.DeltaMessage(role="assistant", content=""), None, unset, 0),
+        (1, H.DeltaMessage(role="assistant", content=""), None, unset, 0),
+        (0, H.DeltaMessage(content="def"), None, unset, 0),
+        (1, H.DeltaMessage(content="def"), None, unset, 0),
+        (0, H.DeltaMessage(content="He"), None, unset, 1),
+        (1, H.DeltaMessage(content="Yo"), None, unset, 1),
+        (0, H.DeltaMessage(content="llo"), "stop", 2, 2),
+        (1, H.DeltaMessage(content=""), "length", None, 1)]
+    assert b'"stop_reason":null' in H.encoder.encode(chunks[7]) and b"stop_reason" not in H.encoder.encode(chunks[5])
+    assert H.encoder.encode(chunks[6].choices[0].delta) == b'{"content":"llo"}'
     assert acc.usage() == H.Usage(prompt_tokens=4, completion_tokens=3, total_tokens=7)
 
 
-def test_accumulator_chat_whole_response_with_logprobs():
-    lp = [["ok", -0.3, [["ok", -0.3]]]]
-    acc = ResponseAccumulator(chat(logprobs=True), True, prompts=1, response_id="chatcmpl-1")
-    run(acc, [(0, delta(0, "ok", [5], "stop", prompt_tokens=1, logprobs=lp))])
+def test_accumulator_chat_whole_response():
+    lp = [["ok", -0.3, [["ok", -0.3]], [111, 107]]]
+    info = EP.PromptInfo(tokens=1, role="user", echo_text="Q: ", prompt_text="<t>", token_ids=[3])
+    acc = ResponseAccumulator(chat(logprobs=True, return_token_ids=True), True, prompts=1, response_id="chatcmpl-1")
+    run(acc, [(0, delta(0, "ok", [5], None, prompt=info, logprobs=lp))])
     assert acc.response(created=2) == H.ChatCompletionResponse(
-        id="chatcmpl-1", created=2, model="m", usage=H.Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
-        choices=[H.ChatChoice(index=0, message=H.ResponseMessage(content="ok"), finish_reason="stop",
-                              logprobs=chat_logprobs(lp))])
+        id="chatcmpl-1", object="chat.completion", created=2, model="m", prompt_text="<t>", prompt_token_ids=[3],
+        usage=H.Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        choices=[H.ChatChoice(index=0, message=H.ResponseMessage(role="user", content="Q: ok"), finish_reason="stop",
+                              stop_reason=None, logprobs=chat_logprobs(lp), token_ids=[5])])
 
 
 def test_accumulator_first_token_time_is_the_first_delta_with_tokens():
     times = iter([10.0, 20.0])
     acc = ResponseAccumulator(completion(), False, prompts=1, response_id="cmpl-1", clock=lambda: next(times))
-    acc.add(0, delta(0, "", [], prompt_tokens=1))
+    acc.add(0, delta(0, "", [], prompt=1))
     assert acc.first_token_at is None
     acc.add(0, delta(0, "a", [1]))
     acc.add(0, delta(0, "b", [2], "stop"))
@@ -421,17 +386,48 @@ def test_ready_after_hello_then_exit_fails_streams_in_flight():
         await asyncio.wait_for(link.ready.wait(), 10)
         assert (link.state, link.status, link.incarnation, link.max_model_len) == (S.READY, "ready", "inc1", 128)
         sink = asyncio.Queue()
-        await submit(link, sink, EP.Generate(request_id="g1", prompt="x"))
+        await submit(link, sink, EP.Generate(request_id="g1", kind="completion", body={"prompt": "x"}))
         _, gen = await engine.recv()
-        assert gen == EP.Generate(request_id="g1", prompt="x")
+        assert gen == EP.Generate(request_id="g1", kind="completion", body={"prompt": "x"})
         link.on_model_state("exited", "", "signal 9")
         assert (link.state, link.status, link.sock, link.ready.is_set()) == (S.DOWN, "exited", None, False)
         rid, failed = sink.get_nowait()
         assert rid == "g1" and isinstance(failed, EngineUnavailable)
         assert str(failed) == "the engine for model 'm' exited (signal 9)"
         with pytest.raises(EngineUnavailable):
-            await submit(link, sink, EP.Generate(request_id="g2", prompt="x"))
+            await submit(link, sink, EP.Generate(request_id="g2", kind="completion", body={"prompt": "x"}))
         assert link.streams == {}
+
+    with_engine(scenario)
+
+
+def test_tokenizer_questions_get_their_answer_or_refusal_and_fail_when_the_engine_goes():
+    async def scenario(link: EngineLink, engine: FakeEngine):
+        with pytest.raises(EngineUnavailable):  # no engine yet
+            await link.tokenizer(EP.Tokenizer(request_id="t0", kind="tokenizer_info"), 1)
+        link.on_model_state("ready", "inc1", None)
+        await engine.accept(link, "inc1")
+        await asyncio.wait_for(link.ready.wait(), 10)
+        ok = asyncio.ensure_future(link.tokenizer(EP.Tokenizer(request_id="t1", kind="tokenize",
+                                                               body={"prompt": "x"}), 10))
+        bad = asyncio.ensure_future(link.tokenizer(EP.Tokenizer(request_id="t2", kind="detokenize",
+                                                                body={"tokens": [-1]}), 10))
+        for _ in range(2):
+            peer, msg = await engine.recv()
+            reply = (EP.TokenizerReply(incarnation="inc1", request_id="t1", body={"count": 1, "tokens": [7]})
+                     if msg.request_id == "t1" else
+                     EP.RequestError(incarnation="inc1", request_id="t2", message="bad id", param="tokens"))
+            await engine.sock.send_multipart([peer, EP.encoder.encode(reply)])
+        assert await ok == {"count": 1, "tokens": [7]}
+        with pytest.raises(EngineRequestError) as info:
+            await bad
+        assert (str(info.value), info.value.status, info.value.param) == ("bad id", 400, "tokens")
+        pending = asyncio.ensure_future(link.tokenizer(EP.Tokenizer(request_id="t3", kind="tokenizer_info"), 10))
+        await engine.recv()
+        link.on_model_state("exited", "", "signal 9")
+        with pytest.raises(EngineUnavailable):
+            await pending
+        assert link.replies == {}
 
     with_engine(scenario)
 
@@ -442,7 +438,7 @@ def test_draining_lets_requests_in_flight_run_and_holds_new_ones():
         await engine.accept(link, "inc1")
         await asyncio.wait_for(link.ready.wait(), 10)
         sink = asyncio.Queue()
-        await submit(link, sink, EP.Generate(request_id="g1", prompt="x"))
+        await submit(link, sink, EP.Generate(request_id="g1", kind="completion", body={"prompt": "x"}))
         link.on_model_state("draining", "inc1", None)
         assert (link.state, link.status, link.ready.is_set()) == (S.DRAINING, "draining", False)
         assert link.sock is not None and sink.empty()
@@ -456,7 +452,7 @@ def test_draining_lets_requests_in_flight_run_and_holds_new_ones():
             await link.wait_ready(0.05)
         assert str(info.value) == "model 'm' is not available (draining) after waiting 0.05s"
         with pytest.raises(EngineUnavailable):
-            await submit(link, sink, EP.Generate(request_id="g2", prompt="x"))
+            await submit(link, sink, EP.Generate(request_id="g2", kind="completion", body={"prompt": "x"}))
 
     with_engine(scenario)
 

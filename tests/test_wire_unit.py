@@ -23,7 +23,8 @@ from servectl.wire import spawn as SP
 pytestmark = pytest.mark.unit
 
 MODEL = ModelConfig(name="m.1", model="/models/m", tensor_parallel_size=2, devices="0,1",
-                    engine_args={"max_num_seqs": 4, "enforce_eager": True}, env={"A": "1"}, crash_loop_count=3)
+                    engine_args={"max_num_seqs": 4, "enforce_eager": True}, env={"A": "1"}, crash_loop_count=3,
+                    override_generation_config={"temperature": 0.5, "top_k": 40}, trust_request_chat_template=True)
 CHILD = CP.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
                        since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"])
 
@@ -67,25 +68,32 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
-    EP.Generate: [EP.Generate(request_id="r1", prompt="def ", sampling={"temperature": 0.5, "n": 2},
-                              structured={"json": {"type": "object"}}, echo=True),
-                  EP.Generate(request_id="r2", prompt_token_ids=[1, 2, 3]),
-                  EP.Generate(request_id="r3", messages=[{"role": "user", "content": "hi"}],
-                              structured={"json_object": True})],
+    EP.Generate: [EP.Generate(request_id="r1", kind="completion",
+                              body={"prompt": "def ", "temperature": 0.5, "n": 2, "echo": True}),
+                  EP.Generate(request_id="r2", kind="completion", body={"prompt": [1, 2, 3]}),
+                  EP.Generate(request_id="r3", kind="chat", body={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "structured_outputs": {"choice": ["a", "b"]}})],
     EP.Abort: [EP.Abort(request_ids=["r1", "r2"])],
     EP.Stats: [EP.Stats(), EP.Stats(request_ids=["r1", "r2"])],
+    EP.Tokenizer: [EP.Tokenizer(request_id="t1", kind="tokenize", body={"prompt": "x"}),
+                   EP.Tokenizer(request_id="t2", kind="tokenizer_info")],
     # engine: engine → gateway
     EP.HelloReply: [EP.HelloReply(version=1, incarnation="abc", model="m.1", max_model_len=512, max_num_seqs=8,
                                   rejected_frames=3)],
+    EP.PromptInfo: [EP.PromptInfo(tokens=3, token_ids=[0, 5, 6], echo_text="def ",
+                                  echo_logprobs=[["<s>", None, None, None], ["def", -1.0, [["def", -1.0]], None]],
+                                  prompt_logprobs=[None, {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "def"}}],
+                                  role="assistant", prompt_text="<t>def ")],
     EP.Delta: [EP.Delta(request_id="r1", index=1, text="x", token_ids=[5, 6], finish_reason="stop", stop_reason=7,
-                        prompt_tokens=3, logprobs=[[-0.5, [["x", -0.5], ["y", -1.5]]]],
-                        prompt_logprobs=[None, [-1.0, [["a", -1.0]]]], prompt_text="def "),
+                        logprobs=[["x", -0.5, [["x", -0.5], ["y", -1.5]], [120]]],
+                        prompt=EP.PromptInfo(tokens=3)),
                EP.Delta(request_id="r2", stop_reason="\n")],
     EP.StepOutput: [EP.StepOutput(incarnation="abc", deltas=[EP.Delta(request_id="r1", text="a"),
                                                              EP.Delta(request_id="r2", index=1, token_ids=[9])]),
                     EP.StepOutput(incarnation="abc", deltas=[])],
     EP.RequestError: [EP.RequestError(incarnation="abc", request_id="r1", message="too long", status=503,
                                       param="max_tokens")],
+    EP.TokenizerReply: [EP.TokenizerReply(incarnation="abc", request_id="t1", body={"count": 1, "tokens": [5]})],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
                                  overlapped_steps=5, missing=["r3"])],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
@@ -212,7 +220,7 @@ def test_delta_travels_as_an_array_in_field_order():
 
 
 def test_protocol_versions():
-    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 1
+    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 2  # 2: Generate carries vLLM request fields
 
 
 # ---- what a receiver must survive ------------------------------------------------------
@@ -258,7 +266,7 @@ def test_wrong_types_are_validation_errors(decoder, frame):
     (CP.control_out_decoder, CP.StatusRequest()),
     (CP.to_engine_decoder, CP.StopRequest()),
     (EP.from_gateway_decoder, EP.HelloReply(version=1, incarnation="a", model="m", max_model_len=1)),
-    (EP.to_gateway_decoder, EP.Generate(request_id="r")),
+    (EP.to_gateway_decoder, EP.Generate(request_id="r", kind="chat", body={})),
 ])
 def test_a_message_sent_the_wrong_way_is_refused(decoder, msg):
     with pytest.raises(msgspec.ValidationError):
