@@ -35,7 +35,7 @@ from api_gateway.http_policy import CorsPolicy, HostPolicy, is_json_content_type
 from api_gateway.http_server import make_runner
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
-from api_gateway.translate import check_messages, generate_messages, normalize_prompts
+from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
 from servectl.wire import engine as EP
@@ -303,6 +303,7 @@ class Gateway:
     async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
                     chat: bool) -> web.StreamResponse:
         req.model = self.model_for(req.model)
+        check_logit_bias(req.logit_bias)
         request["log"]["model"] = req.model
         link = self.link_for(req.model)
         if self.draining:

@@ -48,6 +48,17 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
     return prompts
 
 
+def check_logit_bias(logit_bias: dict[str, float] | None) -> None:
+    """Keys are token ids: integers a 64-bit engine frame carries (the engine checks the vocabulary)."""
+    for key in logit_bias or ():
+        try:
+            token = int(key)
+        except ValueError:
+            raise HttpError(400, f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias") from None
+        if token < 0 or token > H.INT64_MAX:
+            raise HttpError(400, "logit_bias keys must be non-negative 64-bit token ids", param="logit_bias")
+
+
 def check_messages(messages: list[H.ChatMessage]) -> None:
     """Only text content: other parts (images, audio, files) would make the engine fetch or decode media."""
     for m in messages:
