@@ -28,10 +28,11 @@ from aiohttp import web
 from api_gateway import openai_types as H
 from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
-                                refused_by_engine, unavailable, validation_error)
-from api_gateway.fields import IGNORED_HEADER, classify
+                                refused_by_engine, unavailable)
+from api_gateway.bodies import read_body
+from api_gateway.logfields import escape
 from api_gateway.generate import Generator
-from api_gateway.http_policy import CorsPolicy, HostPolicy, is_json_content_type
+from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
@@ -56,18 +57,8 @@ def error_response(exc: HttpError) -> web.Response:
     return resp
 
 
-# What the access log must not write raw: control characters (a newline forges a line),
-# backslashes and spaces (its field separators), undecodable bytes (surrogates), line separators.
-_UNSAFE = re.compile(r"[\x00-\x20\x7f-\xa0\\\u2028\u2029\ud800-\udfff]")
 # An X-Request-Id we echo back and log: a client's, if it is plain enough, else our own.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
-
-
-def escape(text: str, limit: int = 200) -> str:
-    """One log field: unsafe characters as \\xNN / \\uNNNN escapes, at most ``limit`` characters kept."""
-    cut = "..." if len(text) > limit else ""
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}",
-                       text[:limit]) + cut
 
 
 class Gateway:
@@ -181,51 +172,8 @@ class Gateway:
 
     # ---- body parsing ---------------------------------------------------------------------
     async def read_json(self, request: web.Request, endpoint: str):
-        """(the validated request, the supported fields as sent) of a JSON body for ``endpoint``.
-
-        Refused and legacy fields are a 400 naming them (fields.classify); unknown ones are
-        named in a warning and in the response's x-servectl-ignored-fields header.
-        """
-        ctype = request.headers.get("Content-Type")
-        if not is_json_content_type(ctype):
-            # Not text/plain nor a form: those a page may POST cross-site without a preflight.
-            raise HttpError(415, f"unsupported content type {ctype or '(none)'!r}: send application/json")
-        if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
-            raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                                 f"{self.cfg.max_body_bytes}")
-        try:
-            # event-proof: a client sending its body; past the deadline it is a 408.
-            async with asyncio.timeout(self.cfg.body_timeout_s):
-                body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise HttpError(413, f"request body exceeds the limit of {self.cfg.max_body_bytes} bytes") from None
-        except TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
-                            code="body_timeout") from None
-        try:
-            raw = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            raise HttpError(400, f"invalid JSON: {exc}") from None
-        except RecursionError:
-            raise HttpError(400, "invalid JSON: nested too deeply") from None
-        if not isinstance(raw, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        forward, unknown = classify(endpoint, raw)
-        if unknown:
-            # Client-given names: escaped and capped for the log line and the header alike.
-            shown = [escape(k, 64).encode("ascii", "backslashreplace").decode() for k in sorted(unknown)[:16]]
-            names = ", ".join(shown) + (f", ... ({len(unknown)} in all)" if len(unknown) > 16 else "")
-            log.warning("%s %s: ignored field(s) neither OpenAI nor vLLM defines: %s (rid=%s)", escape(request.method),
-                        escape(request.path), names, request["request_id"])
-            request.setdefault("extra_headers", {})[IGNORED_HEADER] = names
-        typ = {"completion": H.CompletionRequest, "chat": H.ChatCompletionRequest, "tokenize": H.TokenizeRequest,
-               "detokenize": H.DetokenizeRequest}[endpoint]
-        try:
-            return msgspec.convert(forward, typ), forward
-        except msgspec.ValidationError as exc:
-            raise validation_error(exc) from None
-        except RecursionError:
-            raise HttpError(400, "the request is nested too deeply") from None
+        """(the validated request, the supported fields as sent): bodies.read_body."""
+        return await read_body(request, self.cfg, endpoint)
 
     def model_for(self, model: str | None) -> str:
         """The model a request names; without a name, the one served model (as `vllm serve`)."""

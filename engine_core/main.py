@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("engine start failed: %s", exc)
         return 75
     server = EngineServer(spec, engine, group, frontend, control)
+    # vLLM's OpenAI request classes are imported (and the model's generation config read) now,
+    # before ready, not by the first request.
+    server.builder  # noqa: B018
     control.send(MP.encoder.encode(MP.ChildReady(
         component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
         detail=json.dumps({"max_model_len": server.max_model_len}))))

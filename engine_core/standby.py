@@ -38,6 +38,10 @@ def preload() -> None:
     from vllm.v1.outputs import AsyncModelRunnerOutput  # noqa: F401
     from vllm.v1.serial_utils import run_method  # noqa: F401
     from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: F401
+    # What an engine's RequestBuilder and tokenizer endpoints import (vLLM's OpenAI server classes).
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: F401
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
+    from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo  # noqa: F401
 
     import engine_core.main  # noqa: F401
     import engine_core.executor  # noqa: F401

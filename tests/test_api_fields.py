@@ -14,7 +14,7 @@ import json
 import openai
 import pytest
 
-from conftest import http, json_lines
+from conftest import http
 
 CHAT = [{"role": "user", "content": "def"}]
 

@@ -10,7 +10,6 @@ chat template's trust rule, vLLM's refusals. Imports vLLM: not in the unit tier.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
