@@ -37,12 +37,24 @@ from manager.reload import plan_reload
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from servectl import config as C
+from servectl.messages import bind_failure
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
-from servectl.proc import INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, ppid_of, with_package_path
+from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
+                           with_package_path)
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_identity, model_component
 
 log = logging.getLogger("manager")
+
+
+class StartupError(Exception):
+    """The manager cannot start for a reason a retry would not fix (its listening
+    address is taken, ...): one line for the operator, nothing started.
+    ``python -m manager`` reports it (``--report-fd``, its log) and exits ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class ManagerState(StrEnum):
@@ -54,7 +66,8 @@ class ManagerState(StrEnum):
 
 class Manager:
     def __init__(self, cfg: C.Config, paths: RuntimePaths, instance: str, state_dir: Path,
-                 config_path: str | None = None, overrides: C.Overrides | None = None, lock_fd: int | None = None):
+                 config_path: str | None = None, overrides: C.Overrides | None = None, lock_fd: int | None = None,
+                 report_fd: int | None = None):
         self.settings = cfg.manager
         self.gateway_cfg = cfg.gateway
         self.config_path = config_path
@@ -64,6 +77,7 @@ class Manager:
         self.instance = instance
         self.state_dir = state_dir
         self.lock_fd = lock_fd  # manager.pid, flocked for our whole life (manager/main.py)
+        self.report_fd = report_fd  # StartupError goes there (python -m manager); closed once bound
         self.shared = is_shared(os.stat(paths.root))  # its group may use the read-only socket and read logs
         self.log_dir = secure_dir(state_dir / "logs", 0o750 if self.shared else 0o700)
         self.started_at = time.time()
@@ -265,6 +279,11 @@ class Manager:
             log.error("reload refused: %s", exc)
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, str(exc)
+        bad = C.check_model_paths(new, self.config_path, self.overrides)
+        if bad:
+            log.error("reload refused: %s", "; ".join(bad))
+            notify("READY=1\nSTATUS=reload refused: config error")
+            return False, "\n".join(bad)
         plan = plan_reload([g.cfg for g in self.groups.values()], self.gateway_cfg, new)
         log.info("reload: %s", plan.summary())
         self.settings = plan.manager
@@ -280,7 +299,13 @@ class Manager:
             else:
                 self.standbys.release_model(group.name)
         if plan.gateway is not None:
-            await self.gateways.replace(plan.gateway)
+            try:
+                await self.gateways.replace(plan.gateway)
+            except OSError as exc:  # the new address cannot be bound: the gateways keep the old one
+                message = self.bind_failure(plan.gateway, exc)
+                log.error("reload: %s", message)
+                notify("READY=1\nSTATUS=serving; reload: gateway address refused")
+                return False, f"gateway not reloaded: {message}"
         notify("READY=1\nSTATUS=serving")
         return True, f"reloaded: {plan.summary()}"
 
@@ -336,7 +361,20 @@ class Manager:
                 except ChildProcessError:
                     pass
 
+    def bind_failure(self, gateway: C.GatewayConfig, exc: OSError) -> str:
+        return bind_failure(gateway.host, gateway.port, exc, port_holder(gateway.port), self.config_path)
+
     async def run(self) -> int:
+        # The listening socket first: if its address is taken, nothing has started
+        # (no socket, no child) and the operator reads one line.
+        try:
+            self.gateways.bind(self.gateway_cfg)
+        except OSError as exc:
+            self.paths.pidfile.unlink(missing_ok=True)  # ours: we hold its lock
+            raise StartupError(self.bind_failure(self.gateway_cfg, exc)) from None
+        if self.report_fd is not None:  # past the last startup failure
+            os.close(self.report_fd)
+            self.report_fd = None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
@@ -360,7 +398,6 @@ class Manager:
             write_pidfile(self.lock_fd, os.getpid(), self.instance)
         else:
             self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
-        self.gateways.bind(self.gateway_cfg)
         log.info("manager %d: runtime %s, gateway on %s:%d, config %s", os.getpid(), self.paths.root,
                  self.gateway_cfg.host, self.gateways.port, self.config_path or "(none: built-in defaults)")
         control_task = loop.create_task(self.control.serve())

@@ -36,8 +36,7 @@ log = logging.getLogger("manager")
 # What every engine and worker gets: no hub lookups for local paths, no usage
 # reporting thread, vLLM's engine in-process (we are its multiprocessing).
 ENGINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
+    **C.ENGINE_OFFLINE_ENV,  # `config check` and `start` check hub ids against the local cache for it
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

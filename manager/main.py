@@ -9,10 +9,13 @@ import os
 import secrets
 from pathlib import Path
 
-from manager.daemon import Manager
+import msgspec
+
+from manager.daemon import Manager, StartupError
 from servectl.paths import (AlreadyRunning, RuntimePaths, UntrustedDirectory, is_shared, lock_pidfile, remove_stale,
                             resolve_runtime_dir, secure_dir)
 from servectl.proc import INSTANCE_ENV, become_subreaper, die_with_parent
+from servectl.wire import control as P
 from servectl.wire.spawn import ManagerSpec, read_spec_fd
 
 
@@ -20,15 +23,20 @@ def claim_runtime_dir(root: Path) -> tuple[RuntimePaths, int]:
     """Create or check the runtime directory, take its lock, then clean what a dead manager left.
 
     Returns the paths and the locked pid file's descriptor (held for the
-    manager's life). Refuses (SystemExit with the reason) a directory that is
+    manager's life). Refuses (StartupError with the reason) a directory that is
     not ours and a directory another live manager holds.
     """
     try:
         secure_dir(root)  # systemd's /run/servectl (0750, its group) is checked and keeps its mode
         paths = RuntimePaths(root)
         lock_fd = lock_pidfile(paths)
-    except (UntrustedDirectory, AlreadyRunning) as exc:
-        raise SystemExit(str(exc)) from None
+    except AlreadyRunning as exc:
+        raise StartupError(str(exc), exit_code=1) from None
+    except UntrustedDirectory as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        raise StartupError(f"cannot use {exc.filename or root}: {exc.strerror or exc}; choose another runtime "
+                           "directory with --runtime-dir (manager.runtime_dir)") from None
     removed = remove_stale(paths)  # only under the lock: no live manager owns these
     if removed:
         logging.getLogger("manager").info("removed what a dead manager left in %s: %s", root, ", ".join(removed))
@@ -44,10 +52,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="library mode: exit when the starting process dies")
     ap.add_argument("--parent-pipe-fd", type=int, default=None,
                     help="library mode: exit when this pipe reaches end of file")
+    ap.add_argument("--report-fd", type=int, default=None,
+                    help="a pipe to whoever started us: a startup failure is written there (one JSON line)")
     args = ap.parse_args(argv)
     from servectl.proc import setup_child_logging
 
-    setup_child_logging("manager")
+    log = setup_child_logging("manager")
+    try:
+        return run_manager(args)
+    except StartupError as exc:
+        # One line, no traceback: in the log (or the journal) and to whoever started us.
+        log.error("not started: %s", exc)
+        if args.report_fd is not None:
+            try:
+                os.write(args.report_fd, msgspec.json.encode(P.StartupFailed(message=str(exc),
+                                                                              exit_code=exc.exit_code)) + b"\n")
+            except OSError:
+                pass  # nobody reads any more
+        return exc.exit_code
+
+
+def run_manager(args: argparse.Namespace) -> int:
     spec = read_spec_fd(args.spec_fd, ManagerSpec)
     cfg = spec.config
     if args.die_with_parent:
@@ -59,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         # Logs are readable where the runtime directory is (a group-shared one: its group).
         secure_dir(state_dir, 0o750 if is_shared(os.stat(root)) else 0o700)
     except UntrustedDirectory as exc:
-        raise SystemExit(str(exc)) from None
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        raise StartupError(f"cannot use {exc.filename or state_dir}: {exc.strerror or exc}; choose another state "
+                           "directory with --state-dir (manager.state_dir)") from None
     # The tag must be in our real environment (/proc/<pid>/environ) so a leak
     # of the manager itself can be found; `servectl start` and Server() put it there.
     instance = args.instance or os.environ.get(INSTANCE_ENV) or secrets.token_hex(8)
@@ -67,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     import uvloop
 
-    manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides, lock_fd=lock_fd)
+    manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides, lock_fd=lock_fd,
+                      report_fd=args.report_fd)
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

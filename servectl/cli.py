@@ -16,19 +16,35 @@ from pathlib import Path
 import click
 import msgspec
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from servectl.wire import control as P
 from servectl import config as C
-from servectl.client import ControlClient, NotRunning, PermissionDenied, spawn_manager, wait_settled
+from servectl.client import ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager, wait_settled
+from servectl.messages import last_error, one_line, without_tracebacks
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
 from servectl.proc import stat_fields
 
 # Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# Text from users and processes (model and component names, reasons, log lines,
+# paths) is printed literally: no emoji codes (`worker:fire:0` is not
+# `worker🔥0`), no markup, no highlighting. Everything goes through say(), whose
+# parts are literal strings or (string, style) pairs, or through Text objects.
+def make_console(**kwargs) -> Console:
+    return Console(emoji=False, highlight=False, **kwargs)
+
+
+console = make_console(width=None if sys.stdout.isatty() else 160)
+err = make_console(stderr=True, width=None if sys.stderr.isatty() else 160)
 NOT_RUNNING = 3
+CONFIG_ERROR = 2
+
+
+def say(out: Console, *parts: str | tuple[str, str]) -> None:
+    """Print one line made of literal parts: a str as it is, a (str, style) pair styled.
+    Nothing in a part is read as markup or an emoji code; the line is not wrapped."""
+    out.print(Text.assemble(*parts), soft_wrap=True)
 
 
 def runtime_option(f):
@@ -42,7 +58,7 @@ def client_for(runtime_dir: str | None, timeout: float = 10.0) -> ControlClient:
 
 
 def not_running(exc: NotRunning) -> None:
-    err.print(f"[yellow]{exc}[/yellow]")
+    say(err, (str(exc), "yellow"))
     sys.exit(NOT_RUNNING)
 
 
@@ -50,22 +66,31 @@ NO_PERMISSION = 4  # as systemctl (LSB): the user may not do that
 
 
 class Main(click.Group):
-    """Refusals are one clear line and an exit code, never a traceback."""
+    """Refusals are one clear line and an exit code, never a traceback; so is an
+    unexpected error (SERVECTL_DEBUG=1 shows its traceback)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UntrustedDirectory as exc:
-            err.print(f"[red]{escape(str(exc))}[/red]")
-            sys.exit(2)
+            say(err, (str(exc), "red"))
+            sys.exit(CONFIG_ERROR)
         except PermissionDenied as exc:
-            err.print(f"[red]{escape(str(exc))}[/red]")
+            say(err, (str(exc), "red"))
             sys.exit(NO_PERMISSION)
         except PermissionError as exc:  # a file or socket of a daemon this user may not reach
             what = f" {exc.filename}" if exc.filename else ""
-            err.print(f"[red]permission denied:{escape(what)}[/red] (a daemon of another user? members of its "
-                      "group may use status, events and logs; its owner and root everything)")
+            say(err, (f"permission denied:{what}", "red"), " (a daemon of another user? members of its "
+                "group may use status, events and logs; its owner and root everything)")
             sys.exit(NO_PERMISSION)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            if os.environ.get("SERVECTL_DEBUG"):
+                raise
+            say(err, ("servectl: unexpected error: ", "red"), f"{type(exc).__name__}: {one_line(str(exc))}",
+                " (SERVECTL_DEBUG=1 shows where)")
+            sys.exit(1)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -113,8 +138,13 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
                                 tensor_parallel_size=tp, engine_args=parse_engine_args(engine_args))
         cfg, found = C.effective_config(config_path, overrides, system=C.is_system_daemon(runtime_dir))
     except C.ConfigError as exc:
-        err.print(f"[red]{exc}[/red]")
-        sys.exit(2)
+        say(err, (str(exc), "red"))
+        sys.exit(CONFIG_ERROR)
+    bad = C.check_model_paths(cfg, found, overrides)
+    if bad:
+        for msg in bad:
+            say(err, (msg, "red"))
+        sys.exit(CONFIG_ERROR)
     root = resolve_runtime_dir(cfg.manager.runtime_dir)
     cfg.manager.runtime_dir = str(root)
     state_dir = Path(cfg.manager.state_dir) if cfg.manager.state_dir else root / "state"
@@ -122,7 +152,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
     log_dir = prepare_dirs(root, state_dir)
     client = ControlClient(root, timeout_s=3)
     if client.running():
-        err.print(f"servectl is already running in {root}")
+        say(err, f"servectl is already running in {root}")
         sys.exit(1)
     # The manager re-reads exactly this file on reload and re-applies these options.
     config_path = Path(found).resolve() if found is not None else None
@@ -133,40 +163,74 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         os.set_inheritable(fd, True)
         argv = manager_command(fd)
         os.execve(argv[0], argv, child_env())
-    proc = spawn_manager(cfg, log_dir / "manager.log", config_path=config_path, overrides=overrides)
-    console.print(f"servectl: manager pid {proc.pid}, runtime {root}")
+    log = log_dir / "manager.log"
+    report_r, report_w = os.pipe()  # the manager writes a startup failure here, in one line
+    try:
+        proc = spawn_manager(cfg, log, ["--report-fd", str(report_w)], pass_fds=(report_w,), config_path=config_path,
+                             overrides=overrides)
+    except OSError as exc:
+        os.close(report_r)
+        say(err, (f"cannot start the manager: {exc.filename or log}: {exc.strerror or exc}", "red"))
+        sys.exit(CONFIG_ERROR)
+    finally:
+        os.close(report_w)
+    announced = []
+
+    def announce() -> None:
+        # Once the manager is up (its first event, or its answer): a refused start is one line alone.
+        if not announced:
+            announced.append(True)
+            say(console, f"servectl: manager pid {proc.pid}, runtime {root}")
 
     def show(ev: P.Event) -> None:
-        if ev.kind == "model":
-            return
-        color = {"ready": "green", "failed": "red", "exited": "yellow", "backoff": "yellow"}.get(ev.state, "cyan")
-        extra = f" ({ev.detail})" if ev.detail else ""
-        console.print(f"  {ev.component:<28} pid {ev.pid or '-':<8} [{color}]{ev.state}[/{color}]{extra}")
+        announce()
+        if ev.kind != "model":
+            say(console, *start_event_parts(ev))
 
     try:
         with console.status("starting…"):
-            reply = wait_settled(client, proc.pid, timeout, show)
+            reply = wait_settled(client, proc.pid, timeout, show, report_fd=report_r)
+    except StartFailed as exc:  # the manager refused to start (e.g. its port is taken): nothing runs
+        say(err, (str(exc), "red"))
+        sys.exit(exc.exit_code)
     except NotRunning:
-        err.print("[red]the manager exited during start[/red]; its log:")
-        log = log_dir / "manager.log"
-        err.print("\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else "(none)")
+        announce()
+        tail = log.read_text(errors="replace").splitlines()[-50:] if log.exists() else []
+        why = last_error(tail)
+        say(err, ("the manager exited during start", "red"), f": {why}" if why else "", f" (its log: {log})")
         sys.exit(1)
     except TimeoutError as exc:
-        err.print(f"[red]{exc}[/red]; the daemon keeps starting in the background (`servectl status`)")
+        announce()
+        say(err, (str(exc), "red"), "; the daemon keeps starting in the background (`servectl status`)")
         sys.exit(1)
+    finally:
+        os.close(report_r)
+    announce()
     failed = [m for m in reply.models if m.state != "ready"]
     broken_gateways = [c for c in reply.children if c.kind == "gateway" and c.state != "ready"]
     for c in broken_gateways:
-        err.print(f"[red]{c.component} {c.state}[/red]: {c.last_exit or ''}")
-        for line in c.last_log[-10:]:
-            err.print(f"    {line}", markup=False, highlight=False)
+        say(err, (f"{c.component} {c.state}", "red"), f": {c.last_exit or ''}")
+        for line in without_tracebacks(c.last_log)[-10:]:
+            say(err, f"    {line}")
     if not failed and not broken_gateways:
-        console.print(f"[green]ready[/green]: {', '.join(m.name for m in reply.models)} on "
-                      f"http://{reply.host}:{reply.port}")
+        say(console, ("ready", "green"), f": {', '.join(m.name for m in reply.models)} on "
+                                          f"http://{reply.host}:{reply.port}")
         return
     for m in failed:
         show_model_failure(err, m, reply.children)
     sys.exit(1)
+
+
+def start_event_parts(ev: P.Event) -> tuple:
+    """A child's state change as `start` shows it (parts for say())."""
+    color = {"ready": "green", "failed": "red", "exited": "yellow", "backoff": "yellow"}.get(ev.state, "cyan")
+    return (f"  {ev.component:<28} pid {ev.pid or '-':<8} ", (ev.state, color), f" ({ev.detail})" if ev.detail else "")
+
+
+def event_line(ev: P.Event) -> str:
+    """One event as `servectl events` prints it."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
+    return f"{stamp} {ev.component:<28} {ev.state:<10} pid {ev.pid or '-'} {ev.detail}"
 
 
 @main.command()
@@ -178,7 +242,7 @@ def stop(runtime_dir, timeout):
     try:
         status = client.status()
     except NotRunning:
-        console.print(f"servectl is not running (runtime dir {client.paths.root})")
+        say(console, f"servectl is not running (runtime dir {client.paths.root})")
         return
     pid = status.manager_pid
     try:
@@ -193,17 +257,19 @@ def stop(runtime_dir, timeout):
         poll.register(pidfd, select.POLLIN)
         poll.poll()  # the pidfd becomes readable when the manager exits
     os.close(pidfd)
-    console.print("stopped")
+    say(console, "stopped")
 
 
 def show_model_failure(out: Console, model: P.ModelStatus, children: list[P.ChildStatus], lines: int = 10) -> None:
-    """A model that is not ready: its reason, then its children's last log lines."""
-    out.print(f"[red]model {model.name} {model.state}[/red]: {model.reason or ''}")
+    """A model that is not ready: its reason, then its children's last log lines
+    (tracebacks reduced to their exception line; the frames stay in the log files)."""
+    say(out, (f"model {model.name} {model.state}", "red"), f": {model.reason or ''}")
     for c in children:
-        if c.model == model.name and c.last_log:
-            out.print(f"  last lines of {c.component}:")
-            for line in c.last_log[-lines:]:
-                out.print(f"    {line}", markup=False, highlight=False)
+        shown = without_tracebacks(c.last_log)[-lines:] if c.model == model.name else []
+        if shown:
+            say(out, f"  last lines of {c.component} (`servectl logs {c.component}`):")
+            for line in shown:
+                say(out, f"    {line}")
 
 
 def fmt_age(since: float | None) -> str:
@@ -244,16 +310,17 @@ def status(runtime_dir, as_json):
     if as_json:
         click.echo(msgspec.json.encode(st).decode())
         sys.exit(0 if ok else 1)
-    console.print(f"manager pid {st.manager_pid}, {st.state}, up {fmt_age(st.started_at)}, "
-                  f"http://{st.host}:{st.port}, instance {st.instance}")
+    say(console, f"manager pid {st.manager_pid}, {st.state}, up {fmt_age(st.started_at)}, "
+                 f"http://{st.host}:{st.port}, instance {st.instance}")
     table = Table(show_lines=False)
     for col in ("component", "model", "pid", "state", "uptime", "restarts", "RSS", "CPU%", "last exit"):
         table.add_column(col)
     for c in st.children:
         rss, cpu = proc_usage(c.pid)
         color = {"ready": "green", "idle (frozen)": "blue", "failed": "red"}.get(c.state, "yellow")
-        table.add_row(c.component, c.model or "-", str(c.pid or "-"), f"[{color}]{c.state}[/{color}]",
-                      fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")
+        # Text cells: a str cell would be read as markup and emoji codes.
+        table.add_row(*map(Text, (c.component, c.model or "-", str(c.pid or "-"))), Text(c.state, style=color),
+                      *map(Text, (fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")))
     console.print(table)
     for m in st.models:
         if m.state == "failed":
@@ -271,7 +338,7 @@ def restart(runtime_dir, model):
         reply = client.request(P.RestartRequest(model=model))
     except NotRunning as exc:
         not_running(exc)
-    (console if reply.ok else err).print(reply.message)
+    say(console if reply.ok else err, reply.message)
     sys.exit(0 if reply.ok else 1)
 
 
@@ -281,7 +348,7 @@ def ack_or_exit(runtime_dir, msg, timeout: float = 10) -> None:
         reply = client.request(msg)
     except NotRunning as exc:
         not_running(exc)
-    (console if reply.ok else err).print(reply.message, markup=False, highlight=False)
+    say(console if reply.ok else err, reply.message)
     sys.exit(0 if reply.ok else 1)
 
 
@@ -307,8 +374,13 @@ def load(runtime_dir, name, path, tp, devices, engine_args):
         model = msgspec.convert({"name": name, "model": path, "tensor_parallel_size": tp, "devices": devices,
                                  "engine_args": parse_engine_args(engine_args)}, C.ModelConfig)
     except (msgspec.ValidationError, C.ConfigError) as exc:
-        err.print(f"[red]bad model: {exc}[/red]")
-        sys.exit(2)
+        say(err, (f"bad model: {exc}", "red"))
+        sys.exit(CONFIG_ERROR)
+    bad = C.check_model_paths(C.Config(models=[model]), None, C.Overrides(model=path))
+    if bad:
+        for msg in bad:
+            say(err, (msg, "red"))
+        sys.exit(CONFIG_ERROR)
     ack_or_exit(runtime_dir, P.LoadModel(model=model))
 
 
@@ -331,7 +403,7 @@ def freeze(runtime_dir, model, state):
         reply = client.request(P.SetFreezing(model=model, enabled=state == "on"))
     except NotRunning as exc:
         not_running(exc)
-    (console if reply.ok else err).print(reply.message)
+    say(console if reply.ok else err, reply.message)
     sys.exit(0 if reply.ok else 1)
 
 
@@ -351,10 +423,7 @@ def events(runtime_dir):
     sub.connect(f"ipc://{client.paths.events}")
     try:
         while True:
-            ev = P.event_decoder.decode(sub.recv())
-            stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
-            console.print(f"{stamp} {ev.component:<28} {ev.state:<10} pid {ev.pid or '-'} {ev.detail}",
-                          markup=False, highlight=False)
+            say(console, event_line(P.event_decoder.decode(sub.recv())))
     except KeyboardInterrupt:
         pass
 
@@ -381,8 +450,8 @@ def logs(runtime_dir, component, lines, follow):
         want = component.replace(":", "-")
         files = [f for f in files if f.stem == want or f.stem.startswith(want)]
         if not files:
-            err.print(f"no log for {component!r}; have: {', '.join(f.stem for f in sorted(log_dir.glob('*.log')))}")
-            sys.exit(2)
+            say(err, f"no log for {component!r}; have: {', '.join(f.stem for f in sorted(log_dir.glob('*.log')))}")
+            sys.exit(CONFIG_ERROR)
     argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), *map(str, files)]
     os.execvp("tail", argv)
 
@@ -399,15 +468,15 @@ def config_check(path):
     try:
         cfg, found = C.load_config(path)
     except C.ConfigError as exc:
-        err.print(f"[red]{exc}[/red]")
-        sys.exit(2)
-    bad = C.check_engine_args(cfg)
+        say(err, (str(exc), "red"))
+        sys.exit(CONFIG_ERROR)
+    # Model paths first (no process needed), then vLLM's judgement of the engine arguments.
+    bad = C.check_model_paths(cfg, found) or C.check_engine_args(cfg)
     if bad:
         for msg in bad:
-            err.print(f"[red]{msg}[/red]")
-        sys.exit(2)
-    err.print(f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):",
-              markup=False, highlight=False)
+            say(err, (msg, "red"))
+        sys.exit(CONFIG_ERROR)
+    say(err, f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):")
     click.echo(msgspec.json.format(msgspec.json.encode(C.redacted(cfg)), indent=2).decode())
 
 

@@ -19,6 +19,33 @@ class NotRunning(Exception):
     """No manager answers in this runtime directory."""
 
 
+class StartFailed(Exception):
+    """The manager refused to start and said why in one line (e.g. its port is
+    taken); it has exited and started nothing. ``exit_code``: the CLI's (2: usage/config)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def read_startup_failure(report_fd: int | None) -> StartFailed | None:
+    """What a manager that exited wrote on its report pipe (``--report-fd``), if anything."""
+    if report_fd is None:
+        return None
+    os.set_blocking(report_fd, False)
+    data = b""
+    try:
+        while chunk := os.read(report_fd, 65536):
+            data += chunk
+    except OSError:  # BlockingIOError: nothing (more) was written
+        pass
+    try:
+        failure = P.startup_failed_decoder.decode(data.strip().splitlines()[0]) if data.strip() else None
+    except Exception:  # noqa: BLE001 - a garbled report is no report
+        return None
+    return StartFailed(failure.message, failure.exit_code) if failure else None
+
+
 class PermissionDenied(Exception):
     """This user may not send that command (it changes the daemon; they are not its owner)."""
 
@@ -135,10 +162,13 @@ def spawn_manager(cfg: C.Config, log_path: Path, extra: list[str] | None = None,
         os.close(log)
 
 
-def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: float, on_event=None):
+def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: float, on_event=None,
+                 report_fd: int | None = None):
     """Wait until every model is ready or failed; follow events meanwhile.
 
-    Returns the final StatusReply, or raises NotRunning if the manager died.
+    Returns the final StatusReply. If the manager exits first: raises StartFailed
+    with its one line if it wrote one on ``report_fd`` (the read end of the pipe
+    passed to it as ``--report-fd``), else NotRunning.
     """
     check_runtime_dir(client.paths.root)  # made by whoever started the manager, before it
     ctx = client.ctx
@@ -159,7 +189,7 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
             pidfd = os.pidfd_open(manager_pid)
             poller.register(pidfd, zmq.POLLIN)
         except ProcessLookupError:
-            raise NotRunning("the manager exited during start") from None
+            raise read_startup_failure(report_fd) or NotRunning("the manager exited during start") from None
     import time
 
     end = time.monotonic() + timeout_s
@@ -170,13 +200,18 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
                 raise TimeoutError(f"not settled within {timeout_s:g}s")
             for sock, _ in poller.poll(int(left * 1000)):
                 if sock is req:
-                    return P.control_out_decoder.decode(req.recv())
+                    reply = P.control_out_decoder.decode(req.recv())
+                    # The manager published the last state changes before it replied:
+                    # show those that have arrived, not only the ones polled first.
+                    while on_event and sub.poll(0):
+                        on_event(P.event_decoder.decode(sub.recv()))
+                    return reply
                 if sock is sub:
                     ev = P.event_decoder.decode(sub.recv())
                     if on_event:
                         on_event(ev)
                 if sock == pidfd:
-                    raise NotRunning("the manager exited during start")
+                    raise read_startup_failure(report_fd) or NotRunning("the manager exited during start")
     finally:
         sub.close()
         req.close()

@@ -28,12 +28,15 @@ from typing import Any
 
 from servectl.wire import control as P
 from servectl import config as C
-from servectl.client import ControlClient, NotRunning, spawn_manager, wait_settled
+from servectl.client import ControlClient, NotRunning, StartFailed, spawn_manager, wait_settled
+from servectl.messages import last_error, without_tracebacks
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir
 
 
 class ServerError(RuntimeError):
-    """The server could not start (the message carries the failing child's last log lines)."""
+    """The server could not start: the message says why (a taken port, a model path
+    that is not a model, a model that failed with its reason and its children's
+    last log lines, tracebacks reduced to their exception line)."""
 
 
 class Connection:
@@ -150,26 +153,41 @@ class Server(Connection):
         with self._lock:
             if self._proc is not None:
                 return self
+            bad = C.check_model_paths(self.config)
+            if bad:
+                raise ServerError("\n".join(bad))
             state = self.config.manager.state_dir
             try:  # made (or checked: an existing one must be ours, not writable by others, not a link)
                 log = prepare_dirs(self.runtime_dir, Path(state) if state else None) / "manager.log"
             except UntrustedDirectory as exc:
                 raise ServerError(str(exc)) from None
             r, w = os.pipe()  # both ends non-inheritable; r is passed explicitly
+            report_r, report_w = os.pipe()  # the manager's startup failure, in one line
             try:
                 self._proc = spawn_manager(self.config, log,
-                                           extra=["--parent-pipe-fd", str(r)], detach=True, pass_fds=(r,))
+                                           extra=["--parent-pipe-fd", str(r), "--report-fd", str(report_w)],
+                                           detach=True, pass_fds=(r, report_w))
+            except BaseException:
+                os.close(report_r)
+                raise
             finally:
                 os.close(r)
+                os.close(report_w)
             self._pipe_w = w
             self._finalizer = weakref.finalize(self, _stop_tree, self._proc, w, self.runtime_dir, self._own_dir)
             atexit.register(self._finalizer)
         try:
-            reply = wait_settled(self._control, self._proc.pid, self.timeout)
-        except (NotRunning, TimeoutError) as exc:
-            tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
+            reply = wait_settled(self._control, self._proc.pid, self.timeout, report_fd=report_r)
+        except StartFailed as exc:  # e.g. the port is taken: the manager started nothing
             self.stop()
-            raise ServerError(f"servectl did not start: {exc}\n" + "\n".join(tail)) from None
+            raise ServerError(str(exc)) from None
+        except (NotRunning, TimeoutError) as exc:
+            tail = log.read_text(errors="replace").splitlines()[-50:] if log.exists() else []
+            why = last_error(tail)
+            self.stop()
+            raise ServerError(f"servectl did not start: {exc}{': ' + why if why else ''}") from None
+        finally:
+            os.close(report_r)
         self.port = reply.port
         failed = [m for m in reply.models if m.state != "ready"]
         if failed:
@@ -178,7 +196,7 @@ class Server(Connection):
                 lines.append(f"model {m.name} {m.state}: {m.reason}")
                 for c in reply.children:
                     if c.model == m.name and c.last_log:
-                        lines += [f"  {c.component}: {line}" for line in c.last_log[-10:]]
+                        lines += [f"  {c.component}: {line}" for line in without_tracebacks(c.last_log)[-10:]]
             self.stop()
             raise ServerError("\n".join(lines))
         return self

@@ -137,3 +137,73 @@ def kill_instance(instance: str, exclude: set[int] | frozenset[int] = frozenset(
         finally:
             os.close(fd)
     return killed
+
+
+# ---- who holds a TCP port (/proc/net/tcp{,6} → socket inode → /proc/<pid>/fd) -------------
+TCP_LISTEN = "0A"
+
+
+def listeners(table: str, port: int) -> list[tuple[int, int]]:
+    """(inode, uid) of each listening socket on ``port`` in the text of /proc/net/tcp or tcp6."""
+    found = []
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != TCP_LISTEN:
+            continue
+        try:
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.append((int(fields[9]), int(fields[7])))
+        except (IndexError, ValueError):
+            continue
+    return found
+
+
+def socket_owner(inode: int) -> int | None:
+    """The pid of a process holding socket ``inode`` open (only our own processes unless root)."""
+    target = f"socket:[{inode}]"
+    for pid in all_pids():
+        try:
+            fds = os.scandir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        with fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) == target:
+                        return pid
+                except OSError:
+                    continue
+    return None
+
+
+def cmdline_of(pid: int, limit: int = 80) -> str:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return ""
+    text = " ".join(" ".join(a.decode(errors="replace").split()) for a in args if a)  # one line
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP ``port``, in words ("pid 123 (python3 -m http.server)"), as far as /proc tells."""
+    owners = []
+    for name in ("tcp", "tcp6"):
+        try:
+            owners += listeners(Path(f"/proc/net/{name}").read_text(), port)
+        except OSError:
+            continue
+    for inode, uid in owners:
+        pid = socket_owner(inode)
+        if pid is not None:
+            cmd = cmdline_of(pid)
+            return f"pid {pid} ({cmd})" if cmd else f"pid {pid}"
+    if not owners:
+        return None
+    uid = owners[0][1]  # another user's process: /proc shows its socket, not its pid
+    try:
+        import pwd
+
+        return f"a process of user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"a process of uid {uid}"

@@ -58,6 +58,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
                                                            incarnation="abc")])],
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True)],
+    # manager → whoever started it (JSON on the --report-fd pipe)
+    CP.StartupFailed: [CP.StartupFailed(message="127.0.0.1:8000 is already in use", exit_code=1)],
     CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"]), CP.ApiKeys(keys=[])],
     # control: manager → engine
     CP.AbortPeer: [CP.AbortPeer(peer="gw-0-123")],
@@ -181,6 +183,13 @@ def test_untagged_messages_round_trip(cls):
         assert msgspec.msgpack.decode(data, type=cls) == msg
     if cls is CP.Event:
         assert all(CP.event_decoder.decode(CP.encoder.encode(m)) == m for m in SAMPLES[cls])
+
+
+def test_a_startup_failure_round_trips_as_one_json_line():
+    for msg in SAMPLES[CP.StartupFailed]:
+        data = msgspec.json.encode(msg)
+        assert b"\n" not in data and CP.startup_failed_decoder.decode(data) == msg
+    assert CP.startup_failed_decoder.decode(b'{"message": "x"}').exit_code == 2  # a usage/config error
 
 
 @pytest.mark.parametrize("cls", [SP.ManagerSpec, SP.EngineSpec, SP.GatewaySpec, SP.Role])

@@ -150,6 +150,17 @@ class ApiKeys(_Msg, tag="api_keys"):
 ControlOut = Union[StatusReply, Ack, ApiKeys]
 
 
+# ---- manager → whoever started it (JSON on the --report-fd pipe, then it exits) ----
+
+class StartupFailed(msgspec.Struct, kw_only=True):
+    """The manager could not start (its listening address is taken, another manager
+    runs in the directory): one line for the operator, and the exit code the CLI
+    gives (2: a usage or config error). Nothing of the tree was left running."""
+
+    message: str
+    exit_code: int = 2
+
+
 # ---- manager → engine (over the control socket) ---------------------------
 
 class AbortPeer(_Msg, tag="abort_peer"):
@@ -188,4 +199,5 @@ control_in_decoder = msgspec.msgpack.Decoder(ControlIn)
 control_out_decoder = msgspec.msgpack.Decoder(ControlOut)
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 event_decoder = msgspec.msgpack.Decoder(Event)
+startup_failed_decoder = msgspec.json.Decoder(StartupFailed)
 encoder = msgspec.msgpack.Encoder()
