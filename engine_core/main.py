@@ -5,6 +5,8 @@ worker group and vLLM's ``LLMEngine`` with ``ZmqExecutor`` (or what
 ``SERVECTL_ENGINE_FACTORY`` names, for benchmarks), says ready, and runs
 ``EngineServer``'s loop (core.py). Exits 75 when the group is hung and 70 when
 a step failed (the engine's state is unknown): the manager restarts the group.
+A start that fails for a reason a restart cannot fix (load_errors.py) is
+reported (``EngineFailed``) and exits 78: the manager fails the model at once.
 ``--check`` lets vLLM judge engine arguments for ``servectl config check``.
 """
 
@@ -17,13 +19,17 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine_core.core import EXIT_STEP_FAILED, EngineServer, StepFailed
+from engine_core.load_errors import permanent_reason
 from engine_core.signing import Signer, read_key
+from servectl.messages import one_line
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire import control as MP
@@ -104,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     except ex.WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return 75
+    except Exception as exc:
+        reason = permanent_reason(exc)
+        if reason is None:
+            raise  # a crash like any other: its traceback in the log, restarted with backoff
+        log.exception("engine start failed; a restart cannot fix this: %s", reason)
+        report_permanent_failure(control, spec, reason)
+        return MP.EXIT_PERMANENT
     server = EngineServer(spec, engine, group, frontend, control)
     # vLLM's OpenAI request classes are imported (and the model's generation config read) now,
     # before ready, not by the first request.
@@ -144,17 +157,33 @@ def engine_args(model) -> dict[str, Any]:
     return args
 
 
+def report_permanent_failure(control: zmq.Socket, spec: EngineSpec, reason: str, wait_s: float = 10.0) -> None:
+    """Tell the manager why the group must not be restarted, and wait (bounded) for
+    its Ack, so it knows before it sees this process exit."""
+    control.send(MP.encoder.encode(MP.EngineFailed(model=spec.model.name, incarnation=spec.incarnation,
+                                                   reason=reason)))
+    deadline = time.monotonic() + wait_s
+    # event-proof: a bounded wait for one reply, once, on the way out of a failed start.
+    while (left := deadline - time.monotonic()) > 0 and control.poll(int(left * 1000) + 1):
+        try:
+            if isinstance(MP.control_out_decoder.decode(control.recv()), MP.Ack):
+                return
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue  # a message for a serving engine (AbortPeer, ...): not ours now
+    log.warning("the manager did not acknowledge the failure report; exiting %d anyway", MP.EXIT_PERMANENT)
+
+
 def check_engine_args(engine_args: dict[str, Any]) -> int:
     """`python -m engine_core --check`: let vLLM itself judge engine arguments."""
     from vllm.engine.arg_utils import EngineArgs
 
     try:
         EngineArgs(model="x", **engine_args)
-    except TypeError as exc:
-        print(f"invalid engine argument: {exc}", file=sys.stderr)
+    except TypeError as exc:  # one line, printed last: `servectl config check` shows the last line
+        print(f"invalid engine argument: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except Exception as exc:
-        print(f"invalid engine arguments: {exc}", file=sys.stderr)
+        print(f"invalid engine arguments: {one_line(str(exc))}", file=sys.stderr)
         return 2
     return 0
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import zmq
 
+from engine_core.load_errors import RemoteFailure, permanent_reason
 from engine_core.signing import BadSignature, Signer, read_key
 from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
 from servectl.paths import RuntimePaths, bind_private
@@ -245,7 +246,8 @@ def _handle(frames: list[bytes], replies: Replies, signer: Signer, rank: int, lo
             result = None  # as vLLM's own workers, other ranks never resolve an async output
     except Exception as exc:  # the executor re-raises it in the engine
         log.exception("call %s failed", method if isinstance(method, str) else "<callable>")
-        replies.send(peer, call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        replies.send(peer, call_id, False, RemoteFailure(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                                                         permanent_reason(exc)))
         return
     replies.send(peer, call_id, True, result)
 

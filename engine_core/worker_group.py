@@ -54,6 +54,15 @@ EXECUTE_AND_SAMPLE = "__servectl_execute_and_sample__"
 STEP_METHODS = frozenset({"execute_model", EXECUTE_AND_SAMPLE})
 
 
+class WorkerCallFailed(RuntimeError):
+    """A call failed in one or more workers; ``permanent`` is the one-line reason
+    if a worker judged its failure one a restart cannot fix (engine_core/load_errors.py)."""
+
+    def __init__(self, message: str, permanent: str | None = None):
+        super().__init__(message)
+        self.permanent = permanent
+
+
 class WorkerHung(RuntimeError):
     pass
 
@@ -81,6 +90,7 @@ class PendingCall(Future):
         self.values: list[Any] = [None] * ranks
         self.waiting = set(range(ranks))
         self.errors: list[str] = []
+        self.permanent: str | None = None  # the first worker failure a restart cannot fix
         self.deadline: float | None = None  # armed when this call is the oldest outstanding
 
     @property
@@ -96,7 +106,8 @@ class PendingCall(Future):
 
     def _settle(self) -> None:
         if self.errors:
-            self.set_exception(RuntimeError(f"worker call {self.method} failed: " + "\n".join(self.errors)))
+            self.set_exception(WorkerCallFailed(f"worker call {self.method} failed: " + "\n".join(self.errors),
+                                                self.permanent))
         else:
             self.set_result(self.values[self.pick] if self.pick is not None else self.values)
 
@@ -241,6 +252,7 @@ class WorkerGroup:
             call.values[rank] = value
         else:
             call.errors.append(f"rank {rank}: {value}")
+            call.permanent = call.permanent or getattr(value, "permanent", None)
 
     def _settle_in_order(self) -> None:
         settled = False

@@ -33,7 +33,7 @@ from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_re
 from servectl import config as C
 from servectl.paths import RuntimePaths
 from servectl.wire import control as P
-from servectl.wire.spawn import ENGINE, GATEWAY, parse_component
+from servectl.wire.spawn import ENGINE, GATEWAY, engine_identity, parse_component
 
 if TYPE_CHECKING:
     from manager.daemon import Manager
@@ -77,6 +77,7 @@ class ControlServer:
             P.GroupFrozen: self.on_group_frozen,
             P.GroupDrained: self.on_group_drained,
             P.GroupHung: self.on_group_hung,
+            P.EngineFailed: self.on_engine_failed,
             P.KeysApplied: self.on_keys_applied,
             P.StatusRequest: self.on_status,
             P.WaitSettled: self.on_wait_settled,
@@ -185,6 +186,12 @@ class ControlServer:
         group = self.manager.groups.get(msg.model)
         if group is not None and group.kill_hung(msg.incarnation):
             log.error("model %s: a gateway saw no output in time; the group is hung, restarting it", msg.model)
+
+    def on_engine_failed(self, caller: Caller, msg: P.EngineFailed) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None and caller.ident == engine_identity(msg.model):  # from that model's engine only
+            group.on_engine_failed(msg.incarnation, msg.reason)
+        self.reply(caller, P.Ack(ok=True))  # the engine exits once it has this
 
     def on_keys_applied(self, caller: Caller, msg: P.KeysApplied) -> None:
         name = parse_component(msg.component)

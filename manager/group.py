@@ -114,6 +114,8 @@ class EngineGroup:
         self.freezing = m.freeze_grace_s > 0
         self.restart_timer: asyncio.TimerHandle | None = None
         self.drained: asyncio.Future | None = None
+        # This incarnation's engine reported a load failure a restart cannot fix (EngineFailed).
+        self.permanent_failure: str | None = None
 
     def _member(self, component: str, kind: str) -> Child:
         return Child(component, kind, self.cfg.name, self.host.log_dir / log_file_name(component),
@@ -166,6 +168,7 @@ class EngineGroup:
         if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED}, S.STARTING):
             return
         self.restart_timer = None
+        self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
         key = secrets.token_bytes(32)
         root = str(self.host.runtime_dir)
@@ -219,6 +222,21 @@ class EngineGroup:
         self.host.on_group_change(self)
 
     # ---- exits ------------------------------------------------------------------------
+    def on_engine_failed(self, incarnation: str, reason: str) -> None:
+        """The engine cannot load the model for a reason a restart cannot fix; it exits next."""
+        if incarnation == self.incarnation and self.state is S.STARTING:
+            self.permanent_failure = reason
+            log.error("model %s: %s (a restart cannot fix this)", self.name, reason)
+
+    def _permanent(self) -> str | None:
+        """Why this incarnation must not be restarted, or None: the engine said so
+        (EngineFailed), or at least exited with EXIT_PERMANENT."""
+        code = self.engine.popen.returncode if self.engine.popen is not None else None
+        if self.permanent_failure is None and code != P.EXIT_PERMANENT:
+            return None
+        why = self.permanent_failure or f"{self.engine.component} could not load the model"
+        return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"
+
     def on_member_exit(self, child: Child) -> None:
         if self.state in (S.STOPPING, S.STOPPED):
             return  # asked for
@@ -231,6 +249,12 @@ class EngineGroup:
                 other.signal(signal.SIGKILL)
         if any(c.alive for c in self.children) or self.state is not S.EXITED:
             return  # wait until every member is gone, then decide
+        permanent = self._permanent()
+        if permanent is not None:
+            self.host.standbys.release_model(self.name)
+            self._enter(S.FAILED, permanent)
+            log.error("model %s failed: %s", self.name, self.reason)
+            return
         delay = self.policy.record_exit(time.monotonic())
         if delay is None:
             self.host.standbys.release_model(self.name)

@@ -40,6 +40,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.GroupFrozen: [CP.GroupFrozen(model="m.1", frozen=True), CP.GroupFrozen(model="m.1", frozen=False)],
     CP.GroupDrained: [CP.GroupDrained(model="m.1", incarnation="abc")],
     CP.GroupHung: [CP.GroupHung(model="m.1", incarnation="abc")],
+    CP.EngineFailed: [CP.EngineFailed(model="m.1", incarnation="abc", reason="Cannot find any model weights")],
     CP.KeysApplied: [CP.KeysApplied(component="gateway:1", pid=77)],
     CP.StatusRequest: [CP.StatusRequest()],
     CP.WaitSettled: [CP.WaitSettled()],

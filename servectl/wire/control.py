@@ -42,6 +42,23 @@ class GroupDrained(_Msg, tag="group_drained"):
     incarnation: str
 
 
+class EngineFailed(_Msg, tag="engine_failed"):
+    """The engine cannot load its model for a reason a restart cannot fix (missing
+    files, an invalid engine argument, an unsupported architecture, not enough
+    memory): the group fails at once with ``reason`` (one line) instead of being
+    restarted. The engine waits for the manager's ``Ack``, then exits with
+    ``EXIT_PERMANENT``."""
+
+    model: str
+    incarnation: str
+    reason: str
+
+
+# An engine's exit code for a load failure a restart cannot fix (sysexits' EX_CONFIG);
+# the manager fails its group at once even if EngineFailed never arrived.
+EXIT_PERMANENT = 78
+
+
 class GroupHung(_Msg, tag="group_hung"):
     """A gateway saw no engine output for too long while requests were in flight."""
 
@@ -93,8 +110,8 @@ class UnloadModel(_Msg, tag="unload"):
     name: str
 
 
-ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, KeysApplied, StatusRequest, WaitSettled,
-                  StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel, UnloadModel]
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, EngineFailed, KeysApplied, StatusRequest,
+                  WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel, UnloadModel]
 
 
 # ---- manager → clients ---------------------------------------------------
