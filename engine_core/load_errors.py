@@ -53,7 +53,8 @@ def _chain(exc: BaseException):
 
 def describe(exc: BaseException) -> str:
     """One line: the exception's class and the informative line of its message."""
-    text = one_line(str(exc))
+    # vLLM lists every architecture it supports after saying which one it does not.
+    text = one_line(str(exc).split(" Supported architectures:")[0])
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -262,8 +262,12 @@ def stop(runtime_dir, timeout):
 
 def show_model_failure(out: Console, model: P.ModelStatus, children: list[P.ChildStatus], lines: int = 10) -> None:
     """A model that is not ready: its reason, then its children's last log lines
-    (tracebacks reduced to their exception line; the frames stay in the log files)."""
+    (tracebacks reduced to their exception line; the frames stay in the log files).
+    A load failure a restart cannot fix is its one-line reason alone."""
     say(out, (f"model {model.name} {model.state}", "red"), f": {model.reason or ''}")
+    if any(c.model == model.name and c.kind == "engine_core" and c.last_exit == f"exit code {P.EXIT_PERMANENT}"
+           for c in children):
+        return
     for c in children:
         shown = without_tracebacks(c.last_log)[-lines:] if c.model == model.name else []
         if shown:

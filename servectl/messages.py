@@ -45,12 +45,12 @@ def without_tracebacks(lines: list[str]) -> list[str]:
     """Log lines with every traceback reduced to its last line (the exception itself),
     and no blank lines: what an operator reads of a failure; the frames stay in the log file."""
     out: list[str] = []
-    in_traceback = False
+    in_traceback = True  # an excerpt may begin inside a traceback: indented lines before any other are frames
     for line in lines:
         stripped = line.strip()
         if not stripped or stripped in CHAIN_LINES:
             continue
-        if stripped.endswith(TRACEBACK_HEAD):
+        if stripped.endswith(TRACEBACK_HEAD) or (line[:1].isspace() and stripped.startswith('File "')):
             in_traceback = True
             continue
         if in_traceback:
@@ -91,5 +91,5 @@ def bind_failure(host: str, port: int, exc: OSError | Exception, holder: str | N
         return (f"{where}: {host} is not an address of this machine; choose another with --host or "
                 f"gateway.host{in_file}")
     reason = getattr(exc, "strerror", None) or one_line(str(exc)) or type(exc).__name__
-    reason = reason.split(" (while attempting to bind")[0]  # socket.create_server's addition
+    reason = reason.split(" (while attempting")[0]  # socket.create_server's addition
     return f"cannot listen on {where}: {reason}; check --host/--port or gateway.host/gateway.port{in_file}"

@@ -1,7 +1,8 @@
 """Issue 3: supervision that heals, tested by killing and stopping real processes.
 
 One daemon serves two models (a, b) through two gateway processes and carries
-a third model whose path does not exist (a crash loop). Every test ends with
+a third model whose engine crashes at every start (a crash loop; not a load
+failure judged permanent, which fails at once: test_operator_errors.py). Every test ends with
 the tree accounted for: the module's teardown scans /proc for the instance tag.
 """
 
@@ -16,7 +17,7 @@ from http.client import HTTPConnection
 
 import pytest
 
-from conftest import Daemon, DaemonFactory, EventStream, Response, http, json_lines, wait_for
+from conftest import ROOT, Daemon, DaemonFactory, EventStream, Response, http, json_lines, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
 
 CONFIG = f"""
@@ -47,9 +48,18 @@ max_num_seqs = 2
 
 [[models]]
 name = "broken"
-model = "/nonexistent/model/dir"
+model = "{DEFAULT_MODEL_DIR}"
 crash_loop_count = 2
+[models.env]
+SERVECTL_ENGINE_FACTORY = "test_supervision:crash_at_load"
+PYTHONPATH = "{ROOT / 'tests'}"
 """
+
+
+def crash_at_load(spec):
+    """Model `broken`'s engine (SERVECTL_ENGINE_FACTORY): a crash at every start, as a
+    restart might fix (a RuntimeError is not judged permanent)."""
+    raise RuntimeError(f"simulated crash while loading {spec.model.name}")
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +114,8 @@ def test_crash_loop_is_failed_with_reason_and_503(sup):
     assert engine.state == "failed"
     assert engine.last_exit and engine.last_exit.startswith("exit code")
     assert engine.restarts == 1  # crash_loop_count = 2 starts, then no more
-    # Its last words name the path it could not load.
-    assert any("/nonexistent/model/dir" in line for line in engine.last_log), engine.last_log
+    # Its last words say why it could not start.
+    assert any("simulated crash while loading broken" in line for line in engine.last_log), engine.last_log
     r = post(sup, "/v1/completions", {"model": "broken", "prompt": "x"})
     assert r.status == 503
     err = r.json()["error"]
