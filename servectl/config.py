@@ -47,6 +47,10 @@ HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+# How an idle model gives its memory back (see ManagerConfig.idle_release).
+IdleRelease = Literal["unload", "sleep"]
+SleepLevel = Literal[1, 2]
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,6 +99,13 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # One interpreter per group member that has imported vLLM and waits for a
     # crash restart to hand it the role (costs host memory, no CPU, no GPU).
     warm_standby: bool = True
+    # Defaults for every model (each may override them): release a model once
+    # no request has been unfinished for this long (0: never), by stopping its
+    # engine group ("unload": its warm standbys stay) or with vLLM's sleep mode
+    # ("sleep", where the platform has it; elsewhere it falls back to unload).
+    idle_release_s: NonNegativeFloat = 0.0
+    idle_release: IdleRelease = "unload"
+    sleep_level: SleepLevel = 1  # vLLM's: 1 offloads weights to host memory, 2 discards them
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -111,6 +122,14 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     override_generation_config: dict[GenerationKey, int | float] = {}
     # Apply a chat template sent with a request (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # Idle release (None: [manager]'s default).
+    idle_release_s: NonNegativeFloat | None = None
+    idle_release: IdleRelease | None = None
+    sleep_level: SleepLevel | None = None
+    # false: configured and listed, but started by its first request.
+    autostart: bool = True
+    # Per-model override of [gateway] hold_timeout_s (a cold load of a big model takes minutes).
+    hold_timeout_s: PositiveFloat | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -121,6 +140,20 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ConfigError(Exception):
     pass
+
+
+class IdlePolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's effective idle-release settings: its own, else [manager]'s."""
+
+    after_s: float  # 0: never released
+    mode: str  # "unload" | "sleep" (as configured; the engine may fall back to unload)
+    sleep_level: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, manager: ManagerConfig) -> "IdlePolicy":
+        return cls(after_s=manager.idle_release_s if model.idle_release_s is None else model.idle_release_s,
+                   mode=model.idle_release or manager.idle_release,
+                   sleep_level=model.sleep_level or manager.sleep_level)
 
 
 # Engine settings every group gets unless the config overrides them: eager

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.unit
 
 MODEL = ModelConfig(name="m.1", model="/models/m", tensor_parallel_size=2, devices="0,1",
                     engine_args={"max_num_seqs": 4, "enforce_eager": True}, env={"A": "1"}, crash_loop_count=3,
-                    override_generation_config={"temperature": 0.5, "top_k": 40}, trust_request_chat_template=True)
+                    override_generation_config={"temperature": 0.5, "top_k": 40}, trust_request_chat_template=True,
+                    **{k: v for k, v in dict(idle_release_s=5.0, idle_release="sleep", sleep_level=2, autostart=False,
+                                             hold_timeout_s=900.0).items() if k in ModelConfig.__struct_fields__})
 CHILD = CP.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
                        since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"])
 
@@ -37,7 +39,13 @@ def known_fields(cls, **values):
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
     CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", detail="up")],
-    CP.GroupFrozen: [CP.GroupFrozen(model="m.1", frozen=True), CP.GroupFrozen(model="m.1", frozen=False)],
+    CP.GroupFrozen: [known_fields(CP.GroupFrozen, model="m.1", frozen=True, idle_since=12.5),
+                     CP.GroupFrozen(model="m.1", frozen=False)],
+    CP.GroupIdle: [CP.GroupIdle(model="m.1", incarnation="abc", idle_s=3.25)],
+    CP.GroupReleased: [CP.GroupReleased(model="m.1", incarnation="abc", released=True, mode="sleep",
+                                        device_memory_bytes=1 << 30),
+                       CP.GroupReleased(model="m.1", incarnation="abc", released=False)],
+    CP.WakeModel: [CP.WakeModel(model="m.1")],
     CP.GroupDrained: [CP.GroupDrained(model="m.1", incarnation="abc")],
     CP.GroupHung: [CP.GroupHung(model="m.1", incarnation="abc")],
     CP.EngineFailed: [CP.EngineFailed(model="m.1", incarnation="abc", reason="Cannot find any model weights")],
@@ -53,7 +61,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: manager → clients
     CP.ChildStatus: [CHILD, CP.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
                                            state="backoff", since=0.0, started_at=None, restarts=0, last_exit=None)],
-    CP.ModelStatus: [CP.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1")],
+    CP.ModelStatus: [CP.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1"),
+                     known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
+                                  release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
+                                  memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0)],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
@@ -66,9 +77,13 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.AbortPeer: [CP.AbortPeer(peer="gw-0-123")],
     CP.FreezingControl: [CP.FreezingControl(enabled=True, grace_s=2.0), CP.FreezingControl(enabled=False)],
     CP.Drain: [CP.Drain()],
+    CP.Release: [CP.Release(), CP.Release(mode="sleep", level=2)],
+    CP.Wake: [CP.Wake()],
     # events
     CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
-                        incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4)],
+                        incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
+               known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
+                            time=3.0, hold_timeout_s=300.0)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
     EP.Generate: [EP.Generate(request_id="r1", kind="completion",
@@ -80,6 +95,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.Stats: [EP.Stats(), EP.Stats(request_ids=["r1", "r2"])],
     EP.Tokenizer: [EP.Tokenizer(request_id="t1", kind="tokenize", body={"prompt": "x"}),
                    EP.Tokenizer(request_id="t2", kind="tokenizer_info")],
+    EP.MetricsRequest: [EP.MetricsRequest()],
     # engine: engine → gateway
     EP.HelloReply: [EP.HelloReply(version=1, incarnation="abc", model="m.1", max_model_len=512, max_num_seqs=8,
                                   rejected_frames=3)],
@@ -95,13 +111,19 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                                              EP.Delta(request_id="r2", index=1, token_ids=[9])]),
                     EP.StepOutput(incarnation="abc", deltas=[])],
     EP.RequestError: [EP.RequestError(incarnation="abc", request_id="r1", message="too long", status=503,
-                                      param="max_tokens")],
+                                      param="max_tokens"),
+                      known_fields(EP.RequestError, incarnation="abc", request_id="r2", message="released",
+                                   status=503, released=True)],
     EP.TokenizerReply: [EP.TokenizerReply(incarnation="abc", request_id="t1", body={"count": 1, "tokens": [5]})],
+    EP.MetricsReply: [EP.MetricsReply(incarnation="abc", text="vllm:num_requests_running{model_name=\"m.1\"} 1.0\n")],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
                                  overlapped_steps=5, missing=["r3"])],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
-                                  freeze_grace_s=1.5, worker_reply_timeout_s=30.0)],
+                                  freeze_grace_s=1.5, worker_reply_timeout_s=30.0),
+                    known_fields(SP.EngineSpec, model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=True,
+                                 freeze_grace_s=1.0, worker_reply_timeout_s=3.0, idle_release_s=2.5,
+                                 idle_release="sleep", sleep_level=2)],
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
                                     drain_timeout_s=5.0)],

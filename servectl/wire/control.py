@@ -14,6 +14,11 @@ from servectl.config import ModelConfig
 
 PROTOCOL_VERSION = 1
 
+# A model's states in which its requests are served: "ready", and idle-released ones
+# ("released", "asleep"), whose requests are held while the model is woken. `servectl
+# start` and `status` count them as up, and so does the gateway's /health.
+AVAILABLE = frozenset({"ready", "released", "asleep"})
+
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
     pass
@@ -35,6 +40,32 @@ class GroupFrozen(_Msg, tag="group_frozen"):
 
     model: str
     frozen: bool
+    # With frozen=True: when (wall clock) the engine's last request finished.
+    idle_since: float | None = None
+
+
+class GroupIdle(_Msg, tag="group_idle"):
+    """The engine has had nothing unfinished for its idle_release_s: the manager may release it."""
+
+    model: str
+    incarnation: str
+    idle_s: float
+
+
+class GroupReleased(_Msg, tag="group_released"):
+    """The engine's answer to ``Release``.
+
+    released=False: a request arrived meanwhile, it serves on. released=True:
+    it refuses every new request from now on (``RequestError.released``) and,
+    for mode "sleep", vLLM's sleep mode has given the accelerator memory back.
+    """
+
+    model: str
+    incarnation: str
+    released: bool
+    mode: str = "unload"
+    # Accelerator memory in use on the group's devices after the release (None: no accelerator).
+    device_memory_bytes: int | None = None
 
 
 class GroupDrained(_Msg, tag="group_drained"):
@@ -110,8 +141,16 @@ class UnloadModel(_Msg, tag="unload"):
     name: str
 
 
-ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, EngineFailed, KeysApplied, StatusRequest,
-                  WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel, UnloadModel]
+class WakeModel(_Msg, tag="wake"):
+    """A gateway holds a request for a released (or never started) model: bring it back."""
+
+    model: str
+
+
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
+                  KeysApplied,
+                  StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
+                  UnloadModel, WakeModel]
 
 
 # ---- manager → clients ---------------------------------------------------
@@ -136,6 +175,18 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     frozen: bool
     incarnation: str
     reason: str | None = None
+    # Idle release: after this long idle (0: never), how ("unload"/"sleep", as in force).
+    release_after_s: float = 0.0
+    release_mode: str = ""
+    # When the last request finished (known once the engine froze its workers); None while busy.
+    idle_since: float | None = None
+    # When the model was released (state released or asleep).
+    released_since: float | None = None
+    # Memory the model's engine and workers hold: host RSS, accelerator memory the engine reported.
+    memory_bytes: int = 0
+    device_memory_bytes: int | None = None
+    # Per-model hold timeout for gateways (None: the gateway's).
+    hold_timeout_s: float | None = None
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -195,7 +246,19 @@ class Drain(_Msg, tag="drain"):
     """Refuse new requests; say GroupDrained once nothing is unfinished."""
 
 
-ToEngine = Union[AbortPeer, FreezingControl, Drain]
+class Release(_Msg, tag="release"):
+    """Give the memory back if still idle (answered with GroupReleased): "unload" (the manager
+    then stops the group) or "sleep" (vLLM's sleep mode at ``level``)."""
+
+    mode: str = "unload"
+    level: int = 1
+
+
+class Wake(_Msg, tag="wake_engine"):
+    """Leave sleep mode; the engine says ChildReady again when it serves."""
+
+
+ToEngine = Union[AbortPeer, FreezingControl, Drain, Release, Wake]
 
 
 # ---- events (PUB) ----------------------------------------------------------
@@ -210,6 +273,8 @@ class Event(msgspec.Struct, kw_only=True):
     incarnation: str = ""
     detail: str = ""
     restarts: int = 0
+    # Model events: the model's own hold timeout for gateways (None: the gateway's).
+    hold_timeout_s: float | None = None
 
 
 control_in_decoder = msgspec.msgpack.Decoder(ControlIn)

@@ -67,7 +67,11 @@ class Tokenizer(_Msg, tag="tokenizer"):
     body: dict[str, Any] = {}
 
 
-FromGateway = Union[Hello, Generate, Abort, Stats, Tokenizer]
+class MetricsRequest(_Msg, tag="metrics"):
+    """Ask for vLLM's own Prometheus metrics (``vllm:*``) as exposition text (on a /metrics scrape)."""
+
+
+FromGateway = Union[Hello, Generate, Abort, Stats, Tokenizer, MetricsRequest]
 
 
 # ---- engine → gateway ------------------------------------------------------
@@ -122,6 +126,9 @@ class RequestError(_Msg, tag="error"):
     message: str
     status: int = 400
     param: str | None = None
+    # The engine is giving its memory back (idle release): the request was not
+    # started; the gateway holds it and sends it again once the model is woken.
+    released: bool = False
 
 
 class TokenizerReply(_Msg, tag="tokenizer_reply"):
@@ -143,7 +150,14 @@ class StatsReply(_Msg, tag="stats_reply"):
     missing: list[str] = []
 
 
-ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply, TokenizerReply]
+class MetricsReply(_Msg, tag="metrics_reply"):
+    """vLLM's stat logger registry in Prometheus text format, ``model_name`` = the served name."""
+
+    incarnation: str
+    text: str
+
+
+ToGateway = Union[HelloReply, StepOutput, RequestError, StatsReply, TokenizerReply, MetricsReply]
 
 from_gateway_decoder = msgspec.msgpack.Decoder(FromGateway)
 to_gateway_decoder = msgspec.msgpack.Decoder(ToGateway)

@@ -46,6 +46,11 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     freezing: bool  # freeze idle workers (`servectl freeze` may change it at run time)
     freeze_grace_s: float  # after this long idle
     worker_reply_timeout_s: float
+    # Idle release (servectl.config.IdlePolicy): say GroupIdle after this long idle (0: never);
+    # "sleep" builds the engine with vLLM's sleep mode where the platform has it.
+    idle_release_s: float = 0.0
+    idle_release: str = "unload"
+    sleep_level: int = 1
 
 
 class GatewaySpec(msgspec.Struct, kw_only=True):
