@@ -33,6 +33,7 @@ class ChildState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     FROZEN = "idle (frozen)"  # a worker its idle engine has SIGSTOPped
+    ASLEEP = "asleep"  # a member of a group in vLLM's sleep mode (idle release)
     STOPPING = "stopping"  # asked to exit: its exit is not a crash
     STOPPED = "stopped"
     EXITED = "exited"

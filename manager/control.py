@@ -3,7 +3,8 @@
 Two ROUTER sockets (docs/operations.md, "Who may do what"):
 
 - ``control`` (0600): the daemon's own user — its children (``ChildReady``,
-  ``GroupFrozen``, ``GroupDrained``, ``GroupHung``, ``KeysApplied``) and the
+  ``GroupFrozen``, ``GroupDrained``, ``GroupHung``, ``GroupIdle``, ``GroupReleased``,
+  ``KeysApplied``, a gateway's ``WakeModel``) and the
   owner's CLI (status, stop, restart, reload, load, unload, freezing). Root
   reaches it too. A peer of another uid (the kernel's ``SO_PEERCRED``, via
   libzmq's ``Peer-Address``) is refused anyway.
@@ -79,6 +80,9 @@ class ControlServer:
             P.GroupHung: self.on_group_hung,
             P.EngineFailed: self.on_engine_failed,
             P.KeysApplied: self.on_keys_applied,
+            P.GroupIdle: self.on_group_idle,
+            P.GroupReleased: self.on_group_released,
+            P.WakeModel: self.on_wake_model,
             P.StatusRequest: self.on_status,
             P.WaitSettled: self.on_wait_settled,
             P.StopRequest: self.on_stop,
@@ -167,7 +171,7 @@ class ControlServer:
         if name.kind == ENGINE:
             group = self.manager.groups.get(name.model)
             if group is not None and group.engine.pid == msg.pid:
-                group.on_ready(msg.incarnation)
+                group.on_ready(msg.incarnation, msg.detail)
         elif name.kind == GATEWAY:
             self.manager.gateways.on_ready(msg, name.index)
             self.manager.check_settled()
@@ -175,7 +179,7 @@ class ControlServer:
     def on_group_frozen(self, caller: Caller, msg: P.GroupFrozen) -> None:
         group = self.manager.groups.get(msg.model)
         if group is not None:
-            group.on_frozen(msg.frozen)
+            group.on_frozen(msg.frozen, msg.idle_since)
 
     def on_group_drained(self, caller: Caller, msg: P.GroupDrained) -> None:
         group = self.manager.groups.get(msg.model)
@@ -197,6 +201,22 @@ class ControlServer:
         name = parse_component(msg.component)
         if name is not None and name.kind == GATEWAY:
             self.manager.gateways.on_keys_applied(msg, name.index)
+
+    def on_group_idle(self, caller: Caller, msg: P.GroupIdle) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None and not self.manager.shutting_down:
+            group.on_idle(msg.incarnation, msg.idle_s)
+
+    def on_group_released(self, caller: Caller, msg: P.GroupReleased) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None:
+            group.on_released(msg)
+
+    # ---- from gateways --------------------------------------------------------------------
+    def on_wake_model(self, caller: Caller, msg: P.WakeModel) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None and not self.manager.shutting_down:
+            group.wake()
 
     # ---- from the CLI --------------------------------------------------------------------
     def on_status(self, caller: Caller, msg: P.StatusRequest) -> None:

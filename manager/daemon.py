@@ -32,7 +32,7 @@ import zmq.asyncio
 from manager.children import Child
 from manager.control import ControlServer
 from manager.gateways import GatewayPool
-from manager.group import EngineGroup, GroupState
+from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import plan_reload
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
@@ -40,7 +40,7 @@ from servectl import config as C
 from servectl.messages import bind_failure
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
-                           with_package_path)
+                           rss_bytes, with_package_path)
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_identity, model_component
 
@@ -193,7 +193,7 @@ class Manager:
     def on_group_change(self, group: EngineGroup) -> None:
         self.publish(P.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
                              pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
-                             detail=group.reason or ""))
+                             detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s))
         notify(f"STATUS=model {group.name}: {group.state}")
         self.check_settled()
 
@@ -204,8 +204,8 @@ class Manager:
             pass
 
     def settled(self) -> bool:
-        return all(g.state in (GroupState.READY, GroupState.FAILED) for g in self.groups.values()) and \
-            self.gateways.settled()
+        return all(g.state in (GroupState.READY, GroupState.FAILED, *IDLE_RELEASED) for g in self.groups.values()) \
+            and self.gateways.settled()
 
     def check_settled(self) -> None:
         if self.shutting_down or not self.settled():
@@ -228,13 +228,29 @@ class Manager:
                 since=c.since, started_at=c.started_at if c.alive else None, restarts=c.restarts,
                 last_exit=c.last_exit, last_log=c.tail(15) if c.state in ("failed", "backoff", "exited") else [])
                 for c in children],
-            models=[P.ModelStatus(name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation,
-                                  reason=g.reason) for g in self.groups.values()])
+            models=[self.model_status(g) for g in self.groups.values()])
+
+    def model_status(self, g: EngineGroup) -> P.ModelStatus:
+        idle = g.idle_policy
+        return P.ModelStatus(
+            name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation, reason=g.reason,
+            release_after_s=idle.after_s, release_mode=g.release_mode if idle.after_s > 0 else "",
+            idle_since=g.idle_since, released_since=g.released_since,
+            memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
+            device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s)
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:
         group = self.groups[model.name] = EngineGroup(model, self)
-        group.start()
+        self.start_group(group)
+
+    @staticmethod
+    def start_group(group: EngineGroup) -> None:
+        """Start a configured model, or, with autostart = false, leave it released until its first request."""
+        if group.cfg.autostart:
+            group.start()
+        else:
+            group.park()
 
     async def remove_model(self, name: str) -> None:
         group = self.groups[name]
@@ -402,7 +418,7 @@ class Manager:
                  self.gateway_cfg.host, self.gateways.port, self.config_path or "(none: built-in defaults)")
         control_task = loop.create_task(self.control.serve())
         for group in self.groups.values():
-            group.start()
+            self.start_group(group)
         self.gateways.start_all()
         await self.done.wait()
         control_task.cancel()

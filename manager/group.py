@@ -14,6 +14,7 @@ sending to its engine, waiting for exits, and the standby pool.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -55,16 +56,32 @@ class GroupState(StrEnum):
     BACKOFF = "backoff"  # all gone; a restart is scheduled
     FAILED = "failed"  # crash loop: stays until an operator's restart
     REMOVED = "removed"  # unloaded, or replaced by a reload: the group is gone for good
+    # Idle release (docs/supervision.md). The engine said it has been idle for
+    # idle_release_s and was asked to give its memory back; it may refuse (a
+    # request came meanwhile: back to ready).
+    RELEASING = "releasing"
+    # Memory given back by stopping the group ("unload"; also a model with
+    # autostart = false before its first request): no engine or worker
+    # process, the warm standbys kept. A gateway's WakeModel starts it.
+    RELEASED = "released"
+    # Memory given back with vLLM's sleep mode ("sleep"): engine and workers
+    # alive, weights offloaded or discarded. A gateway's WakeModel wakes it.
+    ASLEEP = "asleep"
 
 
 S = GroupState
 TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
-    S.STOPPED: frozenset({S.STARTING, S.REMOVED}),
+    S.STOPPED: frozenset({S.STARTING, S.RELEASED, S.REMOVED}),  # → released: autostart = false
     S.STARTING: frozenset({S.READY, S.EXITED, S.STOPPING}),
-    S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED}),
+    S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED, S.RELEASING}),
     S.DRAINING: frozenset({S.STOPPING, S.EXITED}),
-    S.STOPPING: frozenset({S.STOPPED}),
-    S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING}),
+    # → ready: the engine refused (busy); → stopping: it agreed to unload; → asleep: it slept.
+    S.RELEASING: frozenset({S.READY, S.STOPPING, S.ASLEEP, S.EXITED}),
+    S.STOPPING: frozenset({S.STOPPED, S.RELEASED}),  # → released: the stop of an unload
+    S.RELEASED: frozenset({S.STARTING, S.STOPPING}),
+    S.ASLEEP: frozenset({S.STARTING, S.STOPPING, S.EXITED}),  # → starting: woken (the same engine)
+    # → released: a member of a releasing or sleeping group died; it comes back released, not awake.
+    S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING, S.RELEASED}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
     S.FAILED: frozenset({S.STARTING, S.STOPPING}),
     S.REMOVED: frozenset(),
@@ -73,8 +90,12 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
 MEMBER_STATE: dict[GroupState, ChildState | None] = {
     S.STOPPED: ChildState.STOPPED, S.STARTING: ChildState.STARTING, S.READY: ChildState.READY,
     S.DRAINING: None, S.STOPPING: ChildState.STOPPING, S.EXITED: None, S.BACKOFF: ChildState.BACKOFF,
-    S.FAILED: ChildState.FAILED, S.REMOVED: None,
+    S.FAILED: ChildState.FAILED, S.REMOVED: None, S.RELEASING: None, S.RELEASED: ChildState.STOPPED,
+    S.ASLEEP: ChildState.ASLEEP,
 }
+# Where a model serves no request now but one will be served (held, then the model woken):
+# settled for `servectl start`, available for /health.
+IDLE_RELEASED = frozenset({S.RELEASED, S.ASLEEP})
 
 
 class BadTransition(RuntimeError):
@@ -116,6 +137,15 @@ class EngineGroup:
         self.drained: asyncio.Future | None = None
         # This incarnation's engine reported a load failure a restart cannot fix (EngineFailed).
         self.permanent_failure: str | None = None
+        # Idle release. The mode in force is the engine's word at ready (a configured
+        # "sleep" falls back to "unload" where vLLM has no sleep mode).
+        self.release_mode = self.idle_policy.mode
+        self.idle_since: float | None = None  # wall clock; known while frozen (GroupFrozen)
+        self.released_since: float | None = None
+        self.device_memory_bytes: int | None = None  # as the engine last reported
+        self.wake_wanted = False  # a gateway asked while the release was under way
+        self.exited_from: GroupState | None = None  # the state a member's death interrupted
+        self.stopping: asyncio.Future | None = None  # the stop under way, if any (done when over)
 
     def _member(self, component: str, kind: str) -> Child:
         return Child(component, kind, self.cfg.name, self.host.log_dir / log_file_name(component),
@@ -124,6 +154,10 @@ class EngineGroup:
     @property
     def children(self) -> list[Child]:
         return [self.engine, *self.workers]
+
+    @property
+    def idle_policy(self) -> C.IdlePolicy:
+        return C.IdlePolicy.of(self.cfg, self.host.settings)
 
     # ---- the one setter ------------------------------------------------------------
     def _enter(self, new: GroupState, reason: str | None = None) -> None:
@@ -134,10 +168,16 @@ class EngineGroup:
             self.reason = reason
         if new is not S.READY:
             self.frozen = False  # only a serving engine has frozen workers
+            self.idle_since = None
+        if new in (S.STARTING, S.READY):
+            self.wake_wanted = False
+            self.released_since = None
+        elif new in IDLE_RELEASED and self.released_since is None:
+            self.released_since = time.time()
         member_state = MEMBER_STATE[new]
         if member_state is not None:
             for child in self.children:
-                if child.alive or new in (S.FAILED, S.STOPPED, S.BACKOFF):
+                if child.alive or new in (S.FAILED, S.STOPPED, S.BACKOFF, S.RELEASED):
                     child.set(member_state, reason or "")
         self.host.on_group_change(self)
 
@@ -165,7 +205,7 @@ class EngineGroup:
 
     def start(self) -> None:
         """Workers first (the engine gets their pidfds), each with the group key on a pipe."""
-        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED}, S.STARTING):
+        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED}, S.STARTING):
             return
         self.restart_timer = None
         self.permanent_failure = None
@@ -178,11 +218,14 @@ class EngineGroup:
                          ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
                          [], key, worker_env)
         m = self.host.settings
+        idle = self.idle_policy
+        self.release_mode = idle.mode
         # The spec carries the model's env (tokens): a memfd, never the argv.
         spec = spec_fd(EngineSpec(
             model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
             freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
-            worker_reply_timeout_s=m.worker_reply_timeout_s), "servectl-engine-spec")
+            worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
+            idle_release=idle.mode, sleep_level=idle.sleep_level), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",
@@ -207,19 +250,89 @@ class EngineGroup:
         finally:
             os.close(fd)
 
-    def on_ready(self, incarnation: str) -> None:
-        if incarnation == self.incarnation and self._swap({S.STARTING}, S.READY):
-            self.host.standbys.refill(self)
+    def park(self) -> None:
+        """autostart = false: configured and listed, started by its first request (WakeModel)."""
+        self._swap({S.STOPPED}, S.RELEASED, "autostart = false: starts on its first request")
 
-    def on_frozen(self, frozen: bool) -> None:
+    def on_ready(self, incarnation: str, detail: str = "") -> None:
+        """The engine serves: built (a start) or awake again (a wake from sleep)."""
+        if incarnation != self.incarnation or self.state is not S.STARTING:
+            return
+        try:
+            said = json.loads(detail) if detail else {}
+        except ValueError:
+            said = {}
+        if not isinstance(said, dict):
+            said = {}
+        mode = said.get("idle_release")
+        if mode in ("unload", "sleep"):
+            if mode != self.release_mode:
+                log.warning("model %s: idle_release = %r is not available here (vLLM has no sleep mode on this "
+                            "platform); an idle model is unloaded instead", self.name, self.release_mode)
+            self.release_mode = mode
+        if "device_memory_bytes" in said:
+            self.device_memory_bytes = said["device_memory_bytes"]
+        self._enter(S.READY)
+        self.host.standbys.refill(self)
+
+    def on_frozen(self, frozen: bool, idle_since: float | None = None) -> None:
         """The engine froze (or thawed) its workers between steps."""
         if self.state is not S.READY or not self.engine.alive:
             return
         self.frozen = frozen
+        self.idle_since = idle_since if frozen else None
         for worker in self.workers:
             if worker.alive:
                 worker.set(ChildState.FROZEN if frozen else ChildState.READY)
         self.host.on_group_change(self)
+
+    # ---- idle release --------------------------------------------------------------------
+    def on_idle(self, incarnation: str, idle_s: float) -> None:
+        """The engine has been idle for idle_release_s: ask it to give its memory back."""
+        idle = self.idle_policy
+        if incarnation != self.incarnation or idle.after_s <= 0 or not self._swap(
+                {S.READY}, S.RELEASING, f"idle for {idle_s:.1f}s"):
+            return
+        log.info("model %s: idle for %.1fs; releasing it (%s)", self.name, idle_s, self.release_mode)
+        self.host.send_to_engine(self, P.Release(mode=self.release_mode, level=idle.sleep_level))
+
+    def on_released(self, msg: P.GroupReleased) -> None:
+        """The engine's answer to Release."""
+        if msg.incarnation != self.incarnation or self.state is not S.RELEASING:
+            return
+        if not msg.released:
+            log.info("model %s: a request came in; not released", self.name)
+            self._enter(S.READY)
+            return
+        self.device_memory_bytes = msg.device_memory_bytes
+        if msg.mode == "sleep":
+            self._enter(S.ASLEEP, f"asleep (vLLM sleep mode level {self.idle_policy.sleep_level})")
+            log.info("model %s: asleep", self.name)
+            if self.wake_wanted:
+                self.wake()
+            return
+
+        async def unload() -> None:
+            # Same configuration on the next start: the standbys fit, so they stay.
+            await self.stop(self.host.settings.stop_grace_s, keep_standbys=True, then=S.RELEASED)
+            log.info("model %s: released (unloaded; %d standby(s) kept)", self.name,
+                     len(self.host.standbys.of_model(self.name)))
+            if self.wake_wanted and self.state is S.RELEASED:
+                self.wake()
+
+        asyncio.get_running_loop().create_task(unload())
+
+    def wake(self) -> None:
+        """A gateway holds a request for this model: bring it back (idempotent)."""
+        if self.state is S.RELEASED:
+            log.info("model %s: woken by a request", self.name)
+            self.start()
+        elif self.state is S.ASLEEP:
+            log.info("model %s: waking from sleep", self.name)
+            self._enter(S.STARTING, "waking")
+            self.host.send_to_engine(self, P.Wake())
+        elif self.state in (S.RELEASING, S.STOPPING, S.EXITED):
+            self.wake_wanted = True  # acted on once the release (or the exit) is settled
 
     # ---- exits ------------------------------------------------------------------------
     def on_engine_failed(self, incarnation: str, reason: str) -> None:
@@ -238,9 +351,12 @@ class EngineGroup:
         return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"
 
     def on_member_exit(self, child: Child) -> None:
-        if self.state in (S.STOPPING, S.STOPPED):
+        if self.state in (S.STOPPING, S.STOPPED, S.RELEASED):
             return  # asked for
-        if self._swap({S.STARTING, S.READY, S.DRAINING}, S.EXITED, f"{child.component} {child.last_exit}"):
+        was = self.state
+        if self._swap({S.STARTING, S.READY, S.DRAINING, S.RELEASING, S.ASLEEP}, S.EXITED,
+                      f"{child.component} {child.last_exit}"):
+            self.exited_from = was
             child.set(ChildState.EXITED, child.last_exit or "")
             if self.drained is not None and not self.drained.done():
                 self.drained.set_result(False)  # nothing is left to drain
@@ -261,6 +377,14 @@ class EngineGroup:
             self._enter(S.FAILED, f"{self.reason}; {self.policy.crash_loop_count} exits within "
                                   f"{self.policy.window_s:g}s")
             log.error("model %s failed: %s", self.name, self.reason)
+            return
+        if self.exited_from in (S.RELEASING, S.ASLEEP):
+            # It was giving its memory back: it stays released (its standbys kept) until a request wakes it.
+            log.warning("model %s: %s while %s; released (a request starts it)", self.name, self.reason,
+                        self.exited_from)
+            self._enter(S.RELEASED, self.reason)
+            if self.wake_wanted:
+                self.wake()
             return
         log.warning("model %s: %s; restarting in %.1fs", self.name, self.reason, delay)
         self._enter(S.BACKOFF, self.reason)
@@ -289,22 +413,30 @@ class EngineGroup:
         if incarnation == self.incarnation and self.drained is not None and not self.drained.done():
             self.drained.set_result(True)
 
-    async def stop(self, grace_s: float, keep_standbys: bool = False) -> None:
-        if self.state is S.STOPPED:
+    async def stop(self, grace_s: float, keep_standbys: bool = False, then: GroupState = S.STOPPED) -> None:
+        """Stop every member (then: stopped, or released for an unload); one stop at a time."""
+        while self.stopping is not None:  # another stop is under way (an unload, say): after it
+            await self.stopping
+        if self.state is then or (self.state is S.STOPPED and then is S.RELEASED):
             return
-        if self.restart_timer:
-            self.restart_timer.cancel()
-            self.restart_timer = None
-        leaving = [] if keep_standbys else self.host.standbys.release_model(self.name)
-        alive = [c for c in self.children if c.alive]
-        self._enter(S.STOPPING)
-        # Thaw first: a SIGTERM stays pending on a stopped process.
-        for c in alive:
-            c.signal(signal.SIGCONT)
-            c.signal(signal.SIGTERM)
-        if alive or leaving:
-            await self.host.wait_exit(alive + leaving, grace_s)
-        self._enter(S.STOPPED)
+        done = self.stopping = asyncio.get_running_loop().create_future()
+        try:
+            if self.restart_timer:
+                self.restart_timer.cancel()
+                self.restart_timer = None
+            leaving = [] if keep_standbys else self.host.standbys.release_model(self.name)
+            alive = [c for c in self.children if c.alive]
+            self._enter(S.STOPPING)
+            # Thaw first: a SIGTERM stays pending on a stopped process.
+            for c in alive:
+                c.signal(signal.SIGCONT)
+                c.signal(signal.SIGTERM)
+            if alive or leaving:
+                await self.host.wait_exit(alive + leaving, grace_s)
+            self._enter(then)
+        finally:
+            self.stopping = None
+            done.set_result(None)
 
     def remove(self) -> None:
         """The last word on a stopped group: its model is no longer served."""

@@ -207,3 +207,16 @@ def port_holder(port: int) -> str | None:
         return f"a process of user {pwd.getpwuid(uid).pw_name}"
     except KeyError:
         return f"a process of uid {uid}"
+
+
+def rss_bytes(pid: int | None) -> int:
+    """Resident memory of a process (0 if it is gone)."""
+    if not pid:
+        return 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -31,6 +31,9 @@ class StandbysDouble:
     def take(self, member, env):
         return None
 
+    def of_model(self, model: str) -> list:
+        return []
+
 
 class HostDouble:
     """What EngineGroup sees of its supervisor, recording what it is asked."""
@@ -94,7 +97,8 @@ def test_transition_table_is_closed_and_every_state_can_be_left():
     # The one way out of failed, stopped and backoff is a (re)start or a stop.
     assert TRANSITIONS[S.FAILED] == {S.STARTING, S.STOPPING}
     assert TRANSITIONS[S.REMOVED] == frozenset()  # terminal
-    assert TRANSITIONS[S.STOPPING] == {S.STOPPED}
+    # A stop ends stopped, or released when it is an idle model's unload.
+    assert TRANSITIONS[S.STOPPING] == {S.STOPPED, S.RELEASED}
 
 
 def test_illegal_transition_raises_and_changes_nothing(tmp_path):
