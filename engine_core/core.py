@@ -14,7 +14,9 @@ engine) is ``engine_core/main.py``.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -22,12 +24,14 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine_core import metrics as engine_metrics
+from engine_core.idle import IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.worker_group import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
-from servectl.wire.spawn import EngineSpec
+from servectl.wire.spawn import EngineSpec, engine_component
 
 log = logging.getLogger("engine_core")
 # While requests run, adding new ones (tokenising, chat templates) gets this much time
@@ -61,7 +65,8 @@ class EngineServer:
 
         return TokenizerEndpoints(self.builder)
 
-    def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket):
+    def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket,
+                 release_mode: str = "unload", device_memory=lambda: None):
         self.spec = spec
         self.engine = engine
         self.group = group
@@ -81,33 +86,35 @@ class EngineServer:
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
+        # When the last request finished (the busy→idle transition): monotonic for the
+        # deadlines, wall clock for the manager's status.
+        self.idle_since = time.monotonic()
+        self.idle_since_wall = time.time()
+        self.idle = IdleRelease(engine, spec.idle_release_s, release_mode, spec.sleep_level, device_memory)
+        # Async scheduling: steps still in vLLM's batch queue are work in flight
+        # even when no request is unfinished (one may have finished meanwhile).
+        self.in_flight = engine_batch_queue(engine)
+        group.on_freeze_change = self._report_freeze
         self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
-                           P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer}
+                           P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer,
+                           P.MetricsRequest: self._on_metrics}
         self.on_control = {MP.AbortPeer: self._on_abort_peer, MP.Drain: self._on_drain,
-                           MP.FreezingControl: self._on_freezing}
+                           MP.FreezingControl: self._on_freezing, MP.Release: self._on_release,
+                           MP.Wake: self._on_wake}
         self.poller = zmq.Poller()
         self.poller.register(frontend, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
 
     # ---- the loop ------------------------------------------------------------
     def run(self) -> None:
-        idle_since = time.monotonic()
-        # Async scheduling: steps still in vLLM's batch queue are work in flight
-        # even when no request is unfinished (one may have finished meanwhile);
-        # keep stepping until it is empty, so workers never freeze under a batch.
-        in_flight = engine_batch_queue(self.engine)
+        # Keep stepping until vLLM's batch queue is empty, so workers never freeze under a batch.
+        in_flight = self.in_flight
         while True:
             busy = self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
-            if busy:
-                timeout = 0
-            elif self.group.frozen or self.freeze_grace_ms is None:
-                timeout = None  # idle: sleep in the kernel until a message comes
-            else:
-                # One-shot deadline armed on the busy→idle transition.
-                timeout = max(0, self.freeze_grace_ms - int((time.monotonic() - idle_since) * 1000))
+            timeout = 0 if busy else self._idle_timeout()
             events = dict(self.poller.poll(timeout))
             if not events and not busy and timeout is not None:
-                self.group.freeze()
+                self._idle_deadline()
                 continue
             if self.frontend in events:
                 self._drain_frontend()
@@ -117,8 +124,39 @@ class EngineServer:
                 self._add_pending()
             if self.engine.has_unfinished_requests() or in_flight:
                 self._step()
-                idle_since = time.monotonic()
+                self.idle_since = time.monotonic()
+                self.idle_since_wall = time.time()
+                self.idle.worked()
                 self._check_drained()
+
+    # ---- idle: one-shot deadlines armed on the busy→idle transition -------------------
+    def _idle_ms(self) -> int:
+        return int((time.monotonic() - self.idle_since) * 1000)
+
+    def _freeze_due_in_ms(self, idle_ms: int) -> int | None:
+        if self.group.frozen or self.freeze_grace_ms is None:
+            return None
+        return max(0, self.freeze_grace_ms - idle_ms)
+
+    def _idle_timeout(self) -> int | None:
+        """The nearest of the freeze and the idle-release deadlines; None: sleep until a message comes."""
+        idle_ms = self._idle_ms()
+        due = [d for d in (self._freeze_due_in_ms(idle_ms), self.idle.due_in_ms(idle_ms)) if d is not None]
+        return min(due) if due else None
+
+    def _idle_deadline(self) -> None:
+        idle_ms = self._idle_ms()
+        if self._freeze_due_in_ms(idle_ms) == 0:
+            self.group.freeze()
+        if self.idle.take_due(idle_ms):
+            log.info("idle for %.1fs: telling the manager", idle_ms / 1000)
+            self.control.send(MP.encoder.encode(MP.GroupIdle(model=self.spec.model.name,
+                                                             incarnation=self.spec.incarnation,
+                                                             idle_s=idle_ms / 1000)))
+
+    def _report_freeze(self, frozen: bool) -> None:
+        self.control.send(MP.encoder.encode(MP.GroupFrozen(
+            model=self.spec.model.name, frozen=frozen, idle_since=self.idle_since_wall if frozen else None)))
 
     def _drain_frontend(self) -> None:
         while True:
@@ -145,6 +183,10 @@ class EngineServer:
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)
+
+    def _on_metrics(self, peer: bytes, msg: P.MetricsRequest) -> None:
+        text = "" if self.idle.released and not self.idle.asleep else engine_metrics.render(asleep=self.idle.asleep)
+        self._send(peer, P.MetricsReply(incarnation=self.spec.incarnation, text=text))
 
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
         missing = [rid for rid in msg.request_ids if rid not in self.owner and rid not in self.pending]
@@ -198,6 +240,30 @@ class EngineServer:
         log.info("draining: %d request(s) unfinished", self.engine.get_num_unfinished_requests())
         self._check_drained()
 
+    def _on_release(self, msg: MP.Release) -> None:
+        """The manager releases the idle engine, unless a request came in since GroupIdle."""
+        busy = (self.engine.has_unfinished_requests() or bool(self.in_flight) or bool(self.pending)
+                or self.draining)
+        released, device_memory = self.idle.release(busy)
+        if released:
+            log.info("released (%s): new requests are held by the gateways until a wake", self.idle.mode)
+        self.control.send(MP.encoder.encode(MP.GroupReleased(
+            model=self.spec.model.name, incarnation=self.spec.incarnation, released=released, mode=self.idle.mode,
+            device_memory_bytes=device_memory)))
+
+    def _on_wake(self, msg: MP.Wake) -> None:
+        if self.idle.wake():
+            self.idle_since = time.monotonic()
+            self.idle_since_wall = time.time()
+            self.say_ready()
+
+    def say_ready(self) -> None:
+        """ChildReady to the manager: at start, and after a wake from sleep (same incarnation)."""
+        self.control.send(MP.encoder.encode(MP.ChildReady(
+            component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
+            detail=json.dumps({"max_model_len": self.max_model_len, "idle_release": self.idle.mode,
+                               "device_memory_bytes": self.idle.device_memory()}))))
+
     def _on_freezing(self, msg: MP.FreezingControl) -> None:
         if msg.enabled:
             self.freeze_grace_ms = int(msg.grace_s * 1000)
@@ -215,6 +281,11 @@ class EngineServer:
     # ---- requests --------------------------------------------------------------
     def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
+        if self.idle.released:
+            # Idle release under way: the gateway holds the request and sends it again after the wake.
+            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, released=True,
+                                            message=f"model {self.spec.model.name!r} is released", status=503))
+            return
         if rid in self.owner or rid in self.pending:
             self._refuse(peer, rid, f"duplicate request id {rid}", 400)
             return

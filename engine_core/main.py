@@ -27,13 +27,14 @@ import msgspec
 import zmq
 
 from engine_core.core import EXIT_STEP_FAILED, EngineServer, StepFailed
+from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.load_errors import permanent_reason
 from engine_core.signing import Signer, read_key
 from servectl.messages import one_line
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire import control as MP
-from servectl.wire.spawn import EngineSpec, engine_component, engine_identity, read_spec_fd
+from servectl.wire.spawn import EngineSpec, engine_identity, read_spec_fd
 
 log = logging.getLogger("engine_core")
 # "module:function" building the engine from the EngineSpec instead of vLLM's
@@ -71,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
     bind_private(frontend, paths.engine(spec.model.name))
 
-    def report_freeze(frozen: bool) -> None:
-        control.send(MP.encoder.encode(MP.GroupFrozen(model=spec.model.name, frozen=frozen)))
-
     from engine_core import executor as ex
 
     tp = spec.model.tensor_parallel_size
@@ -83,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         signer=Signer(key),
         reply_timeout_s=spec.worker_reply_timeout_s,
         distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
-        on_freeze_change=report_freeze,
     )
     group.connect(ctx)
     ex.GROUP = group
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    idle = build_choice(spec.idle_release, current_platform.is_sleep_mode_available(), spec.idle_release_s,
+                        spec.model.name)
+    if idle.warning:
+        log.warning("%s", idle.warning)
     factory = os.environ.get(ENGINE_FACTORY_ENV)
     try:
         if factory:
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 model=spec.model.model,
                 tensor_parallel_size=tp,
                 distributed_executor_backend=ex.ZmqExecutor,
-                **engine_args(spec.model),
+                **{**engine_args(spec.model), **idle.engine_args,
+                   # vLLM's metrics carry model_name = this; the gateway shows them as they are.
+                   "served_model_name": spec.model.name},
             ))
     except ex.WorkerHung as exc:
         log.error("engine start failed: %s", exc)
@@ -117,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("engine start failed; a restart cannot fix this: %s", reason)
         report_permanent_failure(control, spec, reason)
         return MP.EXIT_PERMANENT
-    server = EngineServer(spec, engine, group, frontend, control)
+
+    def device_memory() -> int | None:
+        """Accelerator memory in use on the workers' devices (None on CPU: no call, no thaw)."""
+        if not current_platform.is_cuda_alike():
+            return None
+        used = [n for n in engine.collective_rpc(device_memory_in_use) if n is not None]
+        return sum(used) if used else None
+
+    server = EngineServer(spec, engine, group, frontend, control, release_mode=idle.mode,
+                          device_memory=device_memory)
     # vLLM's OpenAI request classes are imported (and the model's generation config read) now,
     # before ready, not by the first request.
     server.builder  # noqa: B018
-    control.send(MP.encoder.encode(MP.ChildReady(
-        component=engine_component(spec.model.name), pid=os.getpid(), incarnation=spec.incarnation,
-        detail=json.dumps({"max_model_len": server.max_model_len}))))
+    server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
     # which is a SIGTERM from the manager: log, then die of it as before.

@@ -1,0 +1,137 @@
+"""The engine's side of idle release: when to say it is idle, how to release and wake.
+
+No vLLM and no torch here, so the logic is unit-tested against an engine
+double (tests/test_idle_unit.py), the GPU sleep path included.
+
+The engine decides idleness: it knows its unfinished requests and already
+keeps the time since its last step (the freeze grace). Once nothing has been
+unfinished for ``idle_release_s`` it says ``GroupIdle`` to the manager, once
+per idle period: a one-shot deadline armed on the busy→idle transition, never
+a periodic timer. The manager answers with ``Release``; the engine, which is
+the one place every request passes, then decides for good:
+
+- a request arrived meanwhile (something is unfinished): it refuses and
+  serves on (``GroupReleased(released=False)``);
+- else it is released from now on: every new ``Generate`` is answered with
+  ``RequestError(released=True)``, which the gateway holds and sends again
+  after the wake. For "unload" the manager then stops the group; for "sleep"
+  the engine has called vLLM's ``LLMEngine.sleep(level)`` first (weights
+  offloaded to host memory at level 1, discarded at level 2; the KV cache
+  dropped) and waits for ``Wake`` (``LLMEngine.wake_up()``).
+
+A configured "sleep" where vLLM has no sleep mode (``is_sleep_mode_available()``
+is false: CPU) falls back to "unload", with a warning at load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger("engine_core")
+
+UNLOAD, SLEEP = "unload", "sleep"
+
+
+class SleepingEngine(Protocol):
+    """What idle release needs of vLLM's LLMEngine (a double in the unit tests)."""
+
+    def sleep(self, level: int = 1) -> Any: ...
+    def wake_up(self, tags: list[str] | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class BuildChoice:
+    mode: str  # the mode in force: the configured one, or "unload" where sleep is not available
+    engine_args: dict[str, Any]  # what to add to the engine arguments
+    warning: str | None = None
+
+
+def build_choice(configured: str, sleep_available: bool, after_s: float, model: str) -> BuildChoice:
+    """How to build the engine for the configured idle release (sleep mode must be enabled at build)."""
+    if configured != SLEEP or after_s <= 0:
+        return BuildChoice(UNLOAD if configured != SLEEP else SLEEP, {})
+    if not sleep_available:
+        return BuildChoice(UNLOAD, {}, f"model {model}: idle_release = \"sleep\" but vLLM has no sleep mode on this "
+                                       "platform (is_sleep_mode_available() is false); an idle model is unloaded "
+                                       "instead (its engine and workers stop; the warm standbys stay)")
+    return BuildChoice(SLEEP, {"enable_sleep_mode": True})
+
+
+def device_memory_in_use(_worker: Any) -> int | None:
+    """Run in a worker (collective_rpc): bytes in use on its accelerator, None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class IdleRelease:
+    """One engine's idle-release state; the engine loop asks it and tells it."""
+
+    def __init__(self, engine: SleepingEngine, after_s: float, mode: str, level: int,
+                 device_memory: Callable[[], int | None] = lambda: None):
+        self.engine = engine
+        self.after_ms = int(after_s * 1000) if after_s > 0 else None
+        self.mode = mode
+        self.level = level
+        self.device_memory = device_memory
+        self.reported = False  # GroupIdle sent for the current idle period
+        self.released = False  # new requests are refused (held by the gateway) until a wake
+        self.asleep = False  # vLLM's sleep mode is on
+
+    # ---- the loop's questions -------------------------------------------------------
+    def due_in_ms(self, idle_ms: int) -> int | None:
+        """Milliseconds until GroupIdle is due in this idle period; None if nothing is armed."""
+        if self.after_ms is None or self.reported or self.released:
+            return None
+        return max(0, self.after_ms - idle_ms)
+
+    def take_due(self, idle_ms: int) -> bool:
+        """True once per idle period, when the engine has been idle for idle_release_s."""
+        due = self.due_in_ms(idle_ms)
+        if due is None or due > 0:
+            return False
+        self.reported = True
+        return True
+
+    def worked(self) -> None:
+        """The engine stepped: a new idle period starts once it is idle again."""
+        self.reported = False
+
+    # ---- the manager's messages ------------------------------------------------------
+    def release(self, busy: bool) -> tuple[bool, int | None]:
+        """``Release``: (released, accelerator memory in use after it)."""
+        if busy or self.released:
+            # A request came in after GroupIdle: serve it; a new idle period will follow.
+            self.reported = False
+            return self.released, None
+        if self.mode == SLEEP:
+            before = self.device_memory()
+            self.engine.sleep(level=self.level)
+            self.asleep = True
+            after = self.device_memory()
+            log.info("asleep (level %d): accelerator memory in use %s → %s", self.level, _fmt(before), _fmt(after))
+        else:
+            after = None
+        self.released = True
+        return True, after
+
+    def wake(self) -> bool:
+        """``Wake``: leave sleep mode. False if there was nothing to wake (an unload is a new engine)."""
+        if not self.asleep:
+            return False
+        self.engine.wake_up()
+        self.asleep = False
+        self.released = False
+        self.reported = False
+        log.info("awake: accelerator memory in use %s", _fmt(self.device_memory()))
+        return True
+
+
+def _fmt(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f} MiB"
