@@ -39,6 +39,7 @@ from api_gateway.metrics import Metrics
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
+from servectl.wire import control as MP
 from servectl.wire import engine as EP
 from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity, read_spec_fd
 
@@ -200,7 +201,7 @@ class Gateway:
                 raise HttpError(404, f"model {wanted!r} not found; served: {', '.join(sorted(links))}", param="model")
             links = {wanted: links[wanted]}
         states = {name: link.status for name, link in links.items()}
-        ok = all(s == "ready" for s in states.values()) and not self.draining
+        ok = all(s in MP.AVAILABLE for s in states.values()) and not self.draining
         body = {"status": "ok" if ok else ("draining" if self.draining else "unavailable"), "models": {
             name: {"state": s, **({"reason": links[name].reason} if links[name].reason and s != "ready" else {})}
             for name, s in states.items()}}
@@ -223,13 +224,16 @@ class Gateway:
         return web.json_response({"version": __version__, "protocol": EP.PROTOCOL_VERSION})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        engines = []
         for name, link in self.links.items():
             self.metrics.waiting.labels(model=name).set(link.queued())
             stats = await link.stats()
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)
                 self.metrics.overlapped_steps.labels(model=name).set(stats.overlapped_steps)
-        body, ctype = self.metrics.render()
+            # vLLM's own (vllm:*): only from an engine that lives; a released model's are gone.
+            engines.append(await link.engine_metrics())
+        body, ctype = self.metrics.render(engines)
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -280,7 +284,7 @@ class Gateway:
         self.idle.clear()
         try:
             try:
-                await link.wait_ready(self.cfg.hold_timeout_s, seqs)
+                await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
             except EngineUnavailable as exc:
                 raise unavailable(exc) from None
             return await self.generator.respond(request, req, run, chat, base)

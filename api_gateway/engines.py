@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -45,6 +46,11 @@ class LinkState(enum.Enum):
     FAILED = "failed"
     # The model was unloaded: requests in flight failed, waiters woken and refused. Terminal.
     REMOVED = "removed"
+    # Idle release: the model gave its memory back (or, autostart = false, was never started).
+    # New requests wait, and each one that starts waiting asks the manager to wake it (WakeModel).
+    # Entered on the manager's "released"/"asleep", or at once when the engine bounces a request
+    # (RequestError.released: it agreed to release, so nothing more is sent to it).
+    RELEASED = "released"
 
 
 S = LinkState
@@ -59,17 +65,25 @@ TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
     # STARTING, DRAINING → READY: the gateway's snapshot (a StatusReply) and the events are two
     # sockets, so a "starting" or "stopping" older than the "ready" that made us connect can
     # arrive after it; the engine answering our Hello is the fresher fact.
-    S.STARTING: frozenset({S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
+    # STARTING → READY also when a sleeping engine woke: its Hello was answered before it slept.
+    S.STARTING: frozenset({S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED,
+                           S.RELEASED}),
     # CONNECTING → CONNECTING: another incarnation was announced before the Hello was answered.
-    S.CONNECTING: frozenset({S.CONNECTING, S.READY, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.READY: frozenset({S.CONNECTING, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.DRAINING: frozenset({S.DRAINING, S.READY, S.CONNECTING, S.STARTING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.DOWN: frozenset({S.DOWN, S.STARTING, S.CONNECTING, S.DRAINING, S.FAILED, S.REMOVED}),
-    S.FAILED: frozenset({S.FAILED, S.STARTING, S.CONNECTING, S.DRAINING, S.DOWN, S.REMOVED}),
+    S.CONNECTING: frozenset({S.CONNECTING, S.READY, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED,
+                             S.RELEASED}),
+    S.READY: frozenset({S.CONNECTING, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED, S.RELEASED}),
+    S.DRAINING: frozenset({S.DRAINING, S.READY, S.CONNECTING, S.STARTING, S.DOWN, S.FAILED, S.REMOVED,
+                           S.RELEASED}),
+    S.DOWN: frozenset({S.DOWN, S.STARTING, S.CONNECTING, S.DRAINING, S.FAILED, S.REMOVED, S.RELEASED}),
+    S.FAILED: frozenset({S.FAILED, S.STARTING, S.CONNECTING, S.DRAINING, S.DOWN, S.REMOVED, S.RELEASED}),
+    # RELEASED → READY: "ready" for the incarnation whose Hello was answered (woken from sleep).
+    S.RELEASED: frozenset({S.RELEASED, S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED,
+                           S.REMOVED}),
     S.REMOVED: frozenset(),
 }
 
-# The manager's states for a model ("ready" connects, "removed" is EngineLink.remove).
+# The manager's states for a model ("ready" connects, "removed" is EngineLink.remove;
+# "releasing" changes nothing: the engine, which may still refuse, answers requests itself).
 MANAGER_STATES = {
     "starting": S.STARTING,
     "draining": S.DRAINING,
@@ -78,6 +92,8 @@ MANAGER_STATES = {
     "backoff": S.DOWN,
     "stopped": S.DOWN,
     "failed": S.FAILED,
+    "released": S.RELEASED,  # unloaded: no engine (the socket is closed)
+    "asleep": S.RELEASED,  # vLLM's sleep mode: the engine lives (the socket stays)
 }
 
 
@@ -99,8 +115,11 @@ YIELD_EVERY = 32
 
 
 class EngineLink:
-    def __init__(self, model: str, socket_path: str, ctx: zmq.asyncio.Context, identity: bytes):
+    def __init__(self, model: str, socket_path: str, ctx: zmq.asyncio.Context, identity: bytes,
+                 wake: Callable[[str], None] = lambda model: None):
         self.model = model
+        self.wake = wake  # asks the manager to bring a released model back (WakeModel)
+        self.hold_timeout_s: float | None = None  # the model's own, else the gateway's
         self.socket_path = socket_path
         self.ctx = ctx
         self.identity = identity
@@ -121,6 +140,7 @@ class EngineLink:
         self.admitted = 0  # sequences held or running in the engine, not finished
         self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
+        self.metrics_waiters: list[asyncio.Future] = []
         # A send waits this long for the engine to take it (only a hung engine leaves its queue
         # full); Gateway sets it from the config.
         self.send_timeout_s = 120.0
@@ -149,24 +169,35 @@ class EngineLink:
             self.ready.set()
         else:
             self.ready.clear()
+        if new is S.RELEASED and old is not S.RELEASED and self.waiting:
+            self.wake(self.model)  # requests already wait (held through a restart or the release's stop)
         return True
 
     # ---- following the manager --------------------------------------------------
-    def on_model_state(self, state: str, incarnation: str, reason: str | None) -> None:
+    def on_model_state(self, state: str, incarnation: str, reason: str | None,
+                       hold_timeout_s: float | None = None) -> None:
         self.reason = reason or None
+        self.hold_timeout_s = hold_timeout_s
         if state == "ready":
-            # The same incarnation is announced again on every freeze/thaw and
-            # in the snapshot: reconnect only for a new engine lifetime.
+            if incarnation and incarnation == self.incarnation and self.sock is not None:
+                # The engine that answered our Hello serves again (woken from sleep); the same
+                # incarnation is also announced again on every freeze/thaw and in the snapshot.
+                if self.state in (S.STARTING, S.RELEASED):
+                    self._swap(frozenset({S.STARTING, S.RELEASED}), S.READY)
+                return
+            # Reconnect only for a new engine lifetime.
             if incarnation != self.connecting_to or self.sock is None:
                 self._connect(incarnation)
             return
+        if state == "releasing":
+            return  # the engine decides: it serves what it gets, or bounces it once it agreed
         new = MANAGER_STATES.get(state)
         if new is None:
             log.warning("engine link %s: unknown model state %r ignored", self.model, state)
             return
-        if new in (S.DOWN, S.FAILED) and self.sock is not None:
-            self._disconnect(f"the engine for model {self.model!r} {'failed' if state == 'failed' else 'exited'}"
-                             + (f" ({reason})" if reason else ""))
+        if (new in (S.DOWN, S.FAILED) or state == "released") and self.sock is not None:
+            why = {"failed": "failed", "released": "was released"}.get(state, "exited")
+            self._disconnect(f"the engine for model {self.model!r} {why}" + (f" ({reason})" if reason else ""))
         # STARTING and DRAINING keep the socket: a draining engine finishes what it has, and
         # a new incarnation's "ready" replaces the socket (failing what is left on it).
         if self._swap(LIVE, new):
@@ -248,6 +279,20 @@ class EngineLink:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(msg)
+        elif isinstance(msg, EP.MetricsReply):
+            waiters, self.metrics_waiters = self.metrics_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(msg.text)
+        elif isinstance(msg, EP.RequestError) and msg.released:
+            # The engine agreed to give its memory back: nothing more goes to it, and the
+            # request (not started) waits for the wake like any other.
+            if self._swap(frozenset({S.READY}), S.RELEASED):
+                self.word = "released"
+            stream = self.streams.pop(msg.request_id, None)
+            if stream is not None:
+                stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
+                                                                          retry_after=5)))
         elif isinstance(msg, EP.RequestError):
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:
@@ -275,6 +320,10 @@ class EngineLink:
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)
 
     # ---- requests --------------------------------------------------------------
+    def hold_s(self, default_s: float) -> float:
+        """How long a request may wait for this model: its own hold_timeout_s, else the gateway's."""
+        return self.hold_timeout_s or default_s
+
     async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
         if self.state is S.READY:
             return
@@ -284,6 +333,8 @@ class EngineLink:
         if self.state is S.REMOVED:
             raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
         self.waiting += sequences
+        if self.state is S.RELEASED:
+            self.wake(self.model)
         try:
             # event-proof: the hold timeout, armed only while a request waits for its engine.
             await asyncio.wait_for(self.ready.wait(), timeout_s)
@@ -381,6 +432,22 @@ class EngineLink:
         finally:
             if fut in self.stats_waiters:
                 self.stats_waiters.remove(fut)
+
+    async def engine_metrics(self, timeout_s: float = 2.0) -> str:
+        """vLLM's own metrics as the engine renders them; "" when no engine lifetime answers (released)."""
+        if self.sock is None or not self.incarnation:
+            return ""
+        fut = asyncio.get_running_loop().create_future()
+        self.metrics_waiters.append(fut)
+        try:
+            await self._send(self.sock, EP.encoder.encode(EP.MetricsRequest()), "a metrics request")
+            # event-proof: the engine answers between steps; a bounded wait for that answer.
+            return await asyncio.wait_for(fut, timeout_s)
+        except (EngineUnavailable, asyncio.TimeoutError):
+            return ""
+        finally:
+            if fut in self.metrics_waiters:
+                self.metrics_waiters.remove(fut)
 
     def abort(self, request_ids: list[str]) -> None:
         """Forget these requests and tell the engine to drop those still registered (in order,

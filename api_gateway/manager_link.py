@@ -3,8 +3,9 @@
 Events (SUB) say which models exist and what state each is in; they drive the
 gateway's ``EngineLink``s, which this module creates and drops as models are
 loaded and unloaded. The control socket (DEALER) carries the gateway's own
-messages to the manager: its readiness, and a model that looks hung; the
-manager sends it new API keys there when a reload rotates them.
+messages to the manager: its readiness, a model that looks hung, and a request
+held for a released model (``WakeModel``); the manager sends it new API keys
+there when a reload rotates them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ManagerLink:
         self.on_api_keys = lambda keys: None  # a reload rotated the API keys
 
     def _new_link(self, model: str) -> EngineLink:
-        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode())
+        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode(), wake=self.wake)
         link.send_timeout_s = self.send_timeout_s
         return link
 
@@ -77,7 +78,7 @@ class ManagerLink:
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
                     if ev.kind == "model" and ev.model:
-                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail)
+                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s)
                     self.metrics.child_state(ev.component, ev.state)
                     if ev.kind == "model" and ev.state == "exited" and self.count_restarts:
                         self.metrics.engine_restarts.labels(model=ev.model).inc()
@@ -88,13 +89,14 @@ class ManagerLink:
                         continue
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
-                            self.on_model_event(m.name, m.state, m.incarnation, m.reason)
+                            self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s)
                     elif isinstance(reply, MP.ApiKeys):
                         self.on_api_keys(reply.keys)
                         await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
                                                                                  pid=os.getpid())))
 
-    def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None) -> None:
+    def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None,
+                       hold_timeout_s: float | None = None) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`)."""
         link = self.links.get(model)
         if state == "removed":
@@ -104,11 +106,17 @@ class ManagerLink:
             return
         if link is None:
             link = self.links[model] = self._new_link(model)
-        link.on_model_state(state, incarnation, reason)
+        link.on_model_state(state, incarnation, reason, hold_timeout_s)
 
     async def send_ready(self, component: str, pid: int) -> None:
         self.component = component
         await self.control.send(MP.encoder.encode(MP.ChildReady(component=component, pid=pid)))
+
+    def wake(self, model: str) -> None:
+        """A request waits for a released model: ask the manager to bring it back (idempotent there)."""
+        task = asyncio.get_running_loop().create_task(self._report(MP.encoder.encode(MP.WakeModel(model=model))))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def report_hang(self, link: EngineLink) -> None:
         """Tell the manager a model produced nothing and did not answer Stats: it restarts the group."""

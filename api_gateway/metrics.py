@@ -54,7 +54,8 @@ class Metrics:
         self._last_state[component] = state
         self.child_states.labels(component=component, state=state).set(1)
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, engines: list[str] = ()) -> tuple[bytes, str]:
+        """Our metrics, then the engines' own (``vllm:*``, as each engine rendered them), merged."""
         if self.multiprocess:
             from prometheus_client import multiprocess
 
@@ -62,4 +63,31 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
         else:
             registry = self.registry
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(registry) + merge_exposition(engines), CONTENT_TYPE_LATEST
+
+
+def merge_exposition(texts: list[str]) -> bytes:
+    """Several engines' Prometheus text (as prometheus_client renders it) as one exposition.
+
+    Each metric family may appear once only (one HELP, one TYPE, its samples
+    together), so the samples of a family that several engines report (one
+    model_name each) are gathered under the first engine's HELP and TYPE lines.
+    """
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name -> (HELP/TYPE lines, samples)
+    for text in texts:
+        samples: list[str] | None = None
+        header: list[str] | None = None  # the family's header while we are writing it (first engine only)
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                name = line.split(" ", 3)[2]
+                if line.startswith("# HELP "):
+                    header = [] if name not in families else None
+                    samples = families.setdefault(name, ([], []))[1]
+                    if header is not None:
+                        families[name] = (header, samples)
+                if header is not None:
+                    header.append(line)
+            elif line and not line.startswith("#") and samples is not None:
+                samples.append(line)
+    out = [line for header, samples in families.values() for line in (*header, *samples)]
+    return ("\n".join(out) + "\n").encode() if out else b""

@@ -57,7 +57,7 @@ class RequestRun:
         failure ends the request with an error.
         """
         link = self.link
-        deadline = time.monotonic() + self.cfg.hold_timeout_s
+        deadline = time.monotonic() + link.hold_s(self.cfg.hold_timeout_s)
         while True:
             produced = False
             try:

@@ -286,11 +286,13 @@ def test_accumulator_first_token_time_is_the_first_delta_with_tokens():
 
 def test_transition_table():
     assert TRANSITIONS[S.REMOVED] == frozenset()
-    # READY needs an answered Hello: never from a state without a pending one.
-    assert [s for s in S if S.READY in TRANSITIONS[s]] == [S.STARTING, S.CONNECTING, S.DRAINING]
+    # READY needs an answered Hello: never from a state without a pending one, or (RELEASED: a
+    # sleeping engine woke) one answered before.
+    assert [s for s in S if S.READY in TRANSITIONS[s]] == [S.STARTING, S.CONNECTING, S.DRAINING, S.RELEASED]
     # Every live state can be left for every other the manager can announce, and removed.
     for s in set(S) - {S.REMOVED}:
-        assert {S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED, S.CONNECTING} - {s} <= TRANSITIONS[s]
+        assert {S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED, S.CONNECTING, S.RELEASED} - {s} \
+            <= TRANSITIONS[s]
 
 
 def bare_link() -> EngineLink:
@@ -317,7 +319,8 @@ def test_swap_refuses_an_unexpected_state():
 
 @pytest.mark.parametrize("word, state", [
     ("starting", S.STARTING), ("draining", S.DRAINING), ("stopping", S.DRAINING), ("exited", S.DOWN),
-    ("backoff", S.DOWN), ("stopped", S.DOWN), ("failed", S.FAILED)])
+    ("backoff", S.DOWN), ("stopped", S.DOWN), ("failed", S.FAILED), ("released", S.RELEASED),
+    ("asleep", S.RELEASED)])
 def test_manager_words_drive_the_link_and_are_reported(word, state):
     link = bare_link()
     link.on_model_state(word, "", "why")
