@@ -206,7 +206,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
     finally:
         os.close(report_r)
     announce()
-    failed = [m for m in reply.models if m.state != "ready"]
+    failed = [m for m in reply.models if m.state not in P.AVAILABLE]
     broken_gateways = [c for c in reply.children if c.kind == "gateway" and c.state != "ready"]
     for c in broken_gateways:
         say(err, (f"{c.component} {c.state}", "red"), f": {c.last_exit or ''}")
@@ -300,6 +300,42 @@ def proc_usage(pid: int | None) -> tuple[str, str]:
         return "-", "-"
 
 
+def fmt_seconds(s: float) -> str:
+    s = int(max(0.0, s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def idle_columns(m: P.ModelStatus, now: float) -> tuple[str, str]:
+    """(idle for, releases in) of one model: how long since its last request, how long it stays loaded."""
+    if m.released_since is not None:
+        return f"released {fmt_seconds(now - m.released_since)} ago", "-"
+    if m.idle_since is None:
+        return ("busy" if m.state == "ready" else "-"), "-"
+    idle = now - m.idle_since
+    if m.release_after_s <= 0:
+        return fmt_seconds(idle), "never"
+    return fmt_seconds(idle), fmt_seconds(m.release_after_s - idle)
+
+
+def models_table(models: list[P.ModelStatus]) -> Table:
+    """Per model: state, idle time, time to release, and the memory its engine and workers hold."""
+    now = time.time()
+    table = Table(show_lines=False)
+    for col in ("model", "state", "idle", "releases in", "idle release", "memory held", "accelerator"):
+        table.add_column(col)
+    for m in models:
+        idle, release_in = idle_columns(m, now)
+        color = {"ready": "green", "released": "blue", "asleep": "blue", "failed": "red"}.get(m.state, "yellow")
+        mode = f"{m.release_mode} after {m.release_after_s:g}s" if m.release_after_s > 0 else "never"
+        table.add_row(m.name, f"[{color}]{m.state}[/{color}]", idle, release_in, mode, fmt_bytes(m.memory_bytes),
+                      fmt_bytes(m.device_memory_bytes))
+    return table
+
+
 @main.command()
 @runtime_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -310,7 +346,7 @@ def status(runtime_dir, as_json):
         st = client.status()
     except NotRunning as exc:
         not_running(exc)
-    ok = all(m.state == "ready" for m in st.models)
+    ok = all(m.state in P.AVAILABLE for m in st.models)
     if as_json:
         click.echo(msgspec.json.encode(st).decode())
         sys.exit(0 if ok else 1)
@@ -326,6 +362,7 @@ def status(runtime_dir, as_json):
         table.add_row(*map(Text, (c.component, c.model or "-", str(c.pid or "-"))), Text(c.state, style=color),
                       *map(Text, (fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")))
     console.print(table)
+    console.print(models_table(st.models))
     for m in st.models:
         if m.state == "failed":
             show_model_failure(console, m, st.children)

@@ -189,7 +189,7 @@ class Server(Connection):
         finally:
             os.close(report_r)
         self.port = reply.port
-        failed = [m for m in reply.models if m.state != "ready"]
+        failed = [m for m in reply.models if m.state not in P.AVAILABLE]
         if failed:
             lines = []
             for m in failed:
