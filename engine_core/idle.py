@@ -17,7 +17,9 @@ the one place every request passes, then decides for good:
   after the wake. For "unload" the manager then stops the group; for "sleep"
   the engine has called vLLM's ``LLMEngine.sleep(level)`` first (weights
   offloaded to host memory at level 1, discarded at level 2; the KV cache
-  dropped) and waits for ``Wake`` (``LLMEngine.wake_up()``).
+  dropped) and waits for ``Wake`` (``LLMEngine.wake_up()``; at level 2 the
+  weights are reloaded from the checkpoint between waking the weights' and the
+  KV cache's memory).
 
 A configured "sleep" where vLLM has no sleep mode (``is_sleep_mode_available()``
 is false: CPU) falls back to "unload", with a warning at load.
@@ -40,6 +42,8 @@ class SleepingEngine(Protocol):
 
     def sleep(self, level: int = 1) -> Any: ...
     def wake_up(self, tags: list[str] | None = None) -> Any: ...
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,14 @@ class IdleRelease:
         """``Wake``: leave sleep mode. False if there was nothing to wake (an unload is a new engine)."""
         if not self.asleep:
             return False
-        self.engine.wake_up()
+        if self.level == 2:
+            # Level 2 discarded the weights: back their memory, reload them from the checkpoint,
+            # then the KV cache (vLLM's own order, vllm/snapshot/server.py).
+            self.engine.wake_up(["weights"])
+            self.engine.collective_rpc("reload_weights")
+            self.engine.wake_up(["kv_cache"])
+        else:
+            self.engine.wake_up()
         self.asleep = False
         self.released = False
         self.reported = False

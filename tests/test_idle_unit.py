@@ -235,8 +235,13 @@ class EngineDouble:
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
-        self.on_device = self.weights + self.kv
+        self.on_device += {None: self.weights + self.kv, "weights": self.weights, "kv_cache": self.kv}[
+            tags[0] if tags else None]
         return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("collective_rpc", method))
+        return [None]
 
 
 def test_the_idle_deadline_is_one_shot_per_idle_period():
@@ -273,7 +278,12 @@ def test_the_gpu_sleep_path(level):
     assert idle.release(busy=False) == (True, None)  # a second Release changes nothing
     assert engine.calls == [("sleep", level)]
     assert idle.wake() is True
-    assert engine.calls[-1] == ("wake_up", None) and engine.on_device == 12 << 30
+    woke = engine.calls[1:]
+    if level == 1:  # weights back from host memory, a fresh KV cache
+        assert woke == [("wake_up", None)]
+    else:  # the weights were discarded: their memory back, reloaded from the checkpoint, then the KV cache
+        assert woke == [("wake_up", ["weights"]), ("collective_rpc", "reload_weights"), ("wake_up", ["kv_cache"])]
+    assert engine.on_device == 12 << 30
     assert not idle.released and not idle.asleep and idle.due_in_ms(0) == 3000
 
 
