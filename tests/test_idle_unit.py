@@ -381,11 +381,12 @@ def test_a_bounced_request_is_held_not_failed():
     link, wakes = link_with_wakes()
     link._swap(frozenset(L), L.READY)
     link.incarnation = "inc"
-    stream = link.streams["r1"] = RequestStream("r1")
+    sink: asyncio.Queue = asyncio.Queue()
+    link.streams["r1"] = RequestStream("r1", sink)
     link.on_engine_message(EP.RequestError(incarnation="inc", request_id="r1", message="released", status=503,
                                            released=True), "inc")
-    item = stream.queue.get_nowait()
-    assert isinstance(item, EngineUnavailable)  # generate.py holds it and sends it again
+    rid, item = sink.get_nowait()
+    assert rid == "r1" and isinstance(item, EngineUnavailable)  # sequences.py holds it and sends it again
     assert (link.state, link.status) == (L.RELEASED, "released")
 
 
