@@ -111,6 +111,8 @@ class EngineServer:
         in_flight = self.in_flight
         while True:
             busy = self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
+            # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
+            # transition (freeze, GroupIdle), or none at all once both have fired.
             timeout = 0 if busy else self._idle_timeout()
             events = dict(self.poller.poll(timeout))
             if not events and not busy and timeout is not None:
