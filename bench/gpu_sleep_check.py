@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench import run as B
-from bench.idle_release import MODEL, PROMPT, IdleDaemon, config_text
+from bench.idle_release import MODEL, IdleDaemon, config_text
 from prometheus_client.parser import text_string_to_metric_families
 
 KV_BYTES_GPU = 1 << 30

@@ -16,7 +16,7 @@ import asyncio
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_gateway.engines import EngineLink, LinkState, RequestStream
