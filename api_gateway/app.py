@@ -315,7 +315,7 @@ class Gateway:
         link = self.link_for(model)
         request["log"]["model"] = model
         try:
-            await link.wait_ready(self.cfg.hold_timeout_s)
+            await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s))
             answer = await link.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind, body=body),
                                           self.cfg.output_timeout_s)
         except EngineUnavailable as exc:
