@@ -287,8 +287,8 @@ class EngineLink:
         elif isinstance(msg, EP.RequestError) and msg.released:
             # The engine agreed to give its memory back: nothing more goes to it, and the
             # request (not started) waits for the wake like any other.
-            if self._swap(frozenset({S.READY}), S.RELEASED):
-                self.word = "released"
+            if self.state is S.READY and self._swap(frozenset({S.READY}), S.RELEASED):
+                self.word = "released"  # (later bounces, from requests sent meanwhile, change nothing)
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:
                 stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
