@@ -315,7 +315,7 @@ class EngineLink:
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     # A cooperative yield, not a timed wait: a large batch lets other
                     # requests' tokens out between its sends.
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)  # event-proof: yields once to the loop, waits for no time
         except BaseException:
             self.abort(rids)
             raise
