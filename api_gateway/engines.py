@@ -107,6 +107,13 @@ class EngineLink:
         self.state = S.STARTING
         # Set exactly while READY or REMOVED: either way, waiting for the engine is over.
         self.ready = asyncio.Event()
+        # Set while READY, FAILED or REMOVED: what a held request waits for (FAILED ends the wait at once).
+        self.decided = asyncio.Event()
+        # Set when the socket in use is closed (its engine lifetime is over): a fresh one per socket.
+        self.gone = asyncio.Event()
+        # The engine's step deadline as it last published it (None until it is warm): hangs are
+        # then found in that many seconds, not in the configured cold ones.
+        self.step_deadline_s: float | None = None
         # What /health and /v1/models say while not READY: the manager's word for the model
         # ("starting", "stopping", "backoff", ...), or "failed"/"removed" when the link decided.
         self.word = "starting"
@@ -149,6 +156,10 @@ class EngineLink:
             self.ready.set()
         else:
             self.ready.clear()
+        if new in (S.READY, S.FAILED, S.REMOVED):
+            self.decided.set()
+        else:
+            self.decided.clear()
         return True
 
     # ---- following the manager --------------------------------------------------
@@ -192,6 +203,8 @@ class EngineLink:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.connect(f"ipc://{self.socket_path}")
         self.sock = sock
+        self.gone = asyncio.Event()
+        self.step_deadline_s = None  # a new engine lifetime publishes its own once warm
         self.connecting_to = incarnation
         self.reader = asyncio.get_running_loop().create_task(self._handshake_then_read(sock, incarnation))
 
@@ -203,6 +216,7 @@ class EngineLink:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            self.gone.set()
         self.incarnation = self.connecting_to = ""
         # Aborts for a closed socket are moot: that engine lifetime is over.
         self._abort_ids.clear()
@@ -276,27 +290,35 @@ class EngineLink:
 
     # ---- requests --------------------------------------------------------------
     async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
-        if self.state is S.READY:
-            return
-        if self.state is S.FAILED:
-            raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
-                                    f"an operator must run `servectl restart {self.model}`", retry_after=None)
-        if self.state is S.REMOVED:
-            raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
+        """Until the engine is ready (``sequences`` count as held meanwhile); FAILED, REMOVED
+        and the timeout raise ``EngineUnavailable``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         self.waiting += sequences
         try:
-            # event-proof: the hold timeout, armed only while a request waits for its engine.
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
-            if self.state is S.REMOVED:
-                raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after waiting "
-                                    f"{timeout_s:g}s", retry_after=10) from None
+            while True:
+                if self.state is S.READY:
+                    return
+                if self.state is S.FAILED:
+                    raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
+                                            f"an operator must run `servectl restart {self.model}`", retry_after=None)
+                if self.state is S.REMOVED:
+                    raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after "
+                                            f"waiting {timeout_s:g}s", retry_after=10)
+                try:
+                    # event-proof: the hold timeout, armed only while a request waits for its engine.
+                    await asyncio.wait_for(self.decided.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
         finally:
             self.waiting -= sequences
 
-    async def submit(self, frames: list[tuple[str, bytes]], choices: int, sink: asyncio.Queue) -> None:
-        """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order.
+    async def submit(self, frames: list[tuple[str, bytes]], sink: asyncio.Queue, choices: dict[str, int]) -> None:
+        """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order;
+        ``choices`` says how many finishes end each (its n, or 1 for a resumed choice).
 
         Every frame is on the engine's socket when this returns. Otherwise (the engine went
         away, a send found the engine not taking frames for ``send_timeout_s``, the caller
@@ -308,7 +330,7 @@ class EngineLink:
         sock = self.sock
         rids = [rid for rid, _ in frames]
         for rid in rids:
-            self.streams[rid] = RequestStream(rid, sink, unfinished=choices)
+            self.streams[rid] = RequestStream(rid, sink, unfinished=choices[rid])
         try:
             for i, (_, frame) in enumerate(frames):
                 await self._send(sock, frame, "a request")
@@ -358,6 +380,14 @@ class EngineLink:
                                 retry_after=10) from None
         finally:
             self.replies.pop(msg.request_id, None)
+
+    def output_timeout(self, cold_s: float) -> float:
+        """How long a request may see no output before the engine is probed (and as long again
+        before it is called hung): the engine's published step deadline, plus a margin, once it
+        is warm; ``cold_s`` (gateway.output_timeout_s) before that."""
+        if self.step_deadline_s is None:
+            return cold_s
+        return min(cold_s, self.step_deadline_s + 2.0)
 
     def queued(self, more: int = 0) -> int:
         """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what

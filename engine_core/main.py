@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     def report_freeze(frozen: bool) -> None:
         control.send(MP.encoder.encode(MP.GroupFrozen(model=spec.model.name, frozen=frozen)))
 
+    def report_deadline(seconds: float) -> None:
+        log.info("step deadline now %.3gs (derived from the steps seen)", seconds)
+        control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.model.name, incarnation=spec.incarnation,
+                                                              seconds=seconds)))
+
     from engine_core import executor as ex
 
     tp = spec.model.tensor_parallel_size
@@ -84,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         reply_timeout_s=spec.worker_reply_timeout_s,
         distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
         on_freeze_change=report_freeze,
+        on_deadline=report_deadline,
+        step_floor_s=spec.step_deadline_floor_s,
+        step_multiple=spec.step_deadline_multiple,
     )
     group.connect(ctx)
     ex.GROUP = group

@@ -42,7 +42,7 @@ from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
                            with_package_path)
 from servectl.wire import control as P
-from servectl.wire.spawn import MODEL, engine_identity, model_component
+from servectl.wire.spawn import MODEL, engine_component, engine_identity, model_component
 
 log = logging.getLogger("manager")
 
@@ -197,6 +197,12 @@ class Manager:
         notify(f"STATUS=model {group.name}: {group.state}")
         self.check_settled()
 
+    def on_step_deadline(self, group: EngineGroup) -> None:
+        """The engine's step deadline changed: an event (gateways find hangs by it; an operator sees it)."""
+        self.publish(P.Event(component=engine_component(group.name), kind=P.DEADLINE, model=group.name, state="armed",
+                             pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
+                             detail=f"{group.step_deadline_s:.3f}"))
+
     def publish(self, ev: P.Event) -> None:
         try:
             self.events.send(P.encoder.encode(ev), zmq.NOBLOCK)
@@ -229,7 +235,7 @@ class Manager:
                 last_exit=c.last_exit, last_log=c.tail(15) if c.state in ("failed", "backoff", "exited") else [])
                 for c in children],
             models=[P.ModelStatus(name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation,
-                                  reason=g.reason) for g in self.groups.values()])
+                                  reason=g.reason, step_deadline_s=g.step_deadline_s) for g in self.groups.values()])
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:

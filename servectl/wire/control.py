@@ -59,6 +59,15 @@ class EngineFailed(_Msg, tag="engine_failed"):
 EXIT_PERMANENT = 78
 
 
+class StepDeadlineChanged(_Msg, tag="step_deadline"):
+    """The engine's deadline for a worker's reply to a step, derived from the steps it has
+    seen, changed (published once the engine is warm, then when it moves by a fifth)."""
+
+    model: str
+    incarnation: str
+    seconds: float
+
+
 class GroupHung(_Msg, tag="group_hung"):
     """A gateway saw no engine output for too long while requests were in flight."""
 
@@ -110,8 +119,9 @@ class UnloadModel(_Msg, tag="unload"):
     name: str
 
 
-ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, EngineFailed, KeysApplied, StatusRequest,
-                  WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel, UnloadModel]
+ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, EngineFailed, StepDeadlineChanged, KeysApplied,
+                  StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
+                  UnloadModel]
 
 
 # ---- manager → clients ---------------------------------------------------
@@ -136,6 +146,7 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     frozen: bool
     incarnation: str
     reason: str | None = None
+    step_deadline_s: float | None = None  # as the engine last published it (None: not warm yet)
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -199,6 +210,10 @@ ToEngine = Union[AbortPeer, FreezingControl, Drain]
 
 
 # ---- events (PUB) ----------------------------------------------------------
+
+# Event.kind of an engine's published step deadline (detail: the seconds).
+DEADLINE = "deadline"
+
 
 class Event(msgspec.Struct, kw_only=True):
     component: str
