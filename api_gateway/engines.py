@@ -349,10 +349,10 @@ class EngineLink:
         try:
             # event-proof: the send completes as soon as the engine reads its socket (between
             # steps); only a hung engine lets this deadline pass.
-            async with asyncio.timeout(self.send_timeout_s):
+            async with asyncio.timeout(timeout := self.output_timeout(self.send_timeout_s)):
                 await sock.send(frame)
         except TimeoutError:
-            raise EngineStalled(f"model {self.model!r} did not take {what} for {self.send_timeout_s:g}s",
+            raise EngineStalled(f"model {self.model!r} did not take {what} for {timeout:g}s",
                                 retry_after=10) from None
         except asyncio.CancelledError:
             # Closing the socket (the engine went away) cancels the send's future, not us.

@@ -11,13 +11,15 @@ seed vLLM's parallel sampling gives that choice), no prompt logprobs and no
 echo. Its deltas carry the choice's index and no prompt information (the
 client has it).
 
-Text. vLLM's detokenizer holds back up to the longest stop string minus one
-character, so a stop string never leaks; that held text was never sent, and a
-stop string could span the seam. So the new request's detokenizer is given
-the text the old one had (replayed from the prompt and the output tokens with
-vLLM's own detokenizer) and the offset the client reached: the held text is
-emitted first, and the stop check looks across the seam exactly as it did
-before the restart.
+Text. The new request's detokenizer would start from scratch at the seam:
+a character whose bytes the crash split between two tokens would come out
+wrong, text held back while checking stop strings (up to the longest stop
+string minus one character) would be lost, and a stop string spanning the
+seam would not stop. So the old lifetime's detokenizer is replayed (vLLM's
+own, primed with the prompt, fed the output tokens) and its state moves into
+the new request's, with the offset the client reached: decoding goes on as
+if nothing happened, the held text is emitted first, and the stop check
+looks across the seam exactly as it did before the restart.
 """
 
 from __future__ import annotations
@@ -78,25 +80,28 @@ def continue_request(built, resume: P.Resume) -> list[int]:
 
 
 def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], resume: P.Resume) -> bool:
-    """Give the new request's detokenizer the old output text and the client's offset in it.
+    """Give the new request's detokenizer the old one's state: its text, its decoding position,
+    and the offset the client reached in that text.
 
-    Only a request with stop strings holds text back or can stop across the
-    seam; without them nothing is needed. Returns whether it seeded (False when
-    vLLM's internals are not the expected ones: then the held text is lost, said
-    in the log).
+    The old lifetime's detokenizer is replayed (primed with the old prompt, fed the output
+    tokens, as vLLM did) and its decoding state moves into the new request's: a character
+    whose bytes the crash split between two tokens comes out whole, once, and text held
+    back for stop strings comes first. Returns whether it seeded (False when vLLM's
+    internals are not the expected ones: said in the log).
     """
+    if not resume.token_ids:
+        return False
     state = getattr(getattr(engine, "output_processor", None), "request_states", {}).get(request_id)
     detok = getattr(state, "detokenizer", None)
-    if not getattr(detok, "stop", None) or not resume.token_ids:
-        return False
-    if not hasattr(detok, "output_text") or not hasattr(detok, "_last_output_text_offset"):
-        log.warning("request %s: vLLM's detokenizer has no output_text/offset; text held back for stop "
-                    "strings before the restart is lost", request_id)
+    fast = hasattr(detok, "stream")
+    slow = all(hasattr(detok, a) for a in ("tokens", "prefix_offset", "read_offset"))
+    if not hasattr(detok, "output_text") or not hasattr(detok, "_last_output_text_offset") or not (fast or slow):
+        log.warning("request %s: vLLM's detokenizer is not the expected one; the continued text may differ at "
+                    "the seam", request_id)
         return False
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
-    # The old request's detokenizer, replayed: primed with the old prompt, fed the output
-    # tokens, no stop strings (none matched before the restart, or it would have finished).
+    # No stop strings in the replay: none matched before the restart, or it would have finished.
     params = SimpleNamespace(stop=None, min_tokens=0, include_stop_str_in_output=False,
                              skip_special_tokens=getattr(detok, "skip_special_tokens", True),
                              spaces_between_special_tokens=getattr(detok, "spaces_between_special_tokens", True))
@@ -108,6 +113,12 @@ def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], 
         log.warning("request %s: the client has %d characters, the replay %d; not seeded", request_id,
                     resume.text_chars, len(text))
         return False
+    if fast:
+        detok.stream = replay.stream
+        if hasattr(replay, "last_special"):
+            detok.last_special = replay.last_special
+    else:
+        detok.tokens, detok.prefix_offset, detok.read_offset = replay.tokens, replay.prefix_offset, replay.read_offset
     detok.output_text = text
     detok._last_output_text_offset = resume.text_chars
     return True
