@@ -145,13 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except ex.WorkerHung as exc:
         log.error("%s: the group is hung; exiting so the manager restarts it", exc)
-        return 75
+        exit_now(75, group)
     except StepFailed as exc:
         log.exception("a step failed (%s): the engine's state is unknown; exiting so the manager restarts "
                       "the group", exc)
-        return EXIT_STEP_FAILED
-    finally:
-        log.info("executor: %s", group.counters())
+        exit_now(EXIT_STEP_FAILED, group)
+    log.info("executor: %s", group.counters())
     return 0
 
 
@@ -179,6 +178,15 @@ def report_permanent_failure(control: zmq.Socket, spec: EngineSpec, reason: str,
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue  # a message for a serving engine (AbortPeer, ...): not ours now
     log.warning("the manager did not acknowledge the failure report; exiting %d anyway", MP.EXIT_PERMANENT)
+
+
+def exit_now(code: int, group) -> None:
+    """Leave at once: every second here is a second clients wait for the restart. The
+    interpreter's teardown (vLLM's and torch's exit handlers, their threads) took seconds on
+    a loaded machine, and the engine's state is unknown anyway; only the log is flushed."""
+    log.info("executor: %s", group.counters())
+    logging.shutdown()
+    os._exit(code)
 
 
 def check_engine_args(engine_args: dict[str, Any]) -> int:

@@ -5,8 +5,9 @@ generous deadline (``worker_reply_timeout_s``, 120 s) finds it in minutes; a
 step of the bundled model takes milliseconds. So once the engine has served
 its first steps, a step's deadline is ``multiple`` × the recent 99th
 percentile of steps of its size (scheduled tokens, in power-of-two buckets;
-the largest bucket at or above its own counts, so a bigger step is never held
-to a smaller one's times), never below ``floor_s``. The generous deadline
+a size seen fewer than ``MIN_SAMPLES`` times borrows the next larger size
+that has been, so a bigger step is never held to a smaller one's times, and
+a slow big step does not stretch the small ones'), never below ``floor_s``. The generous deadline
 stays where a step can legitimately be slow: the first ``warmup`` steps
 (compilation, caches), a step larger than any seen recently (a very long
 prefill, until one has been seen), and every call that is not a step (model
@@ -20,6 +21,7 @@ from collections import deque
 
 WARMUP_STEPS = 16
 WINDOW = 256  # recent steps kept per bucket
+MIN_SAMPLES = 8  # a bucket with fewer borrows the next larger one's times
 PERCENTILE = 0.99
 
 
@@ -51,11 +53,23 @@ class StepDeadline:
         """The deadline for a call: a step of ``tokens`` tokens, or (None) any other call."""
         if tokens is None or self.steps < self.warmup:
             return self.generous_s
-        b = self.bucket(tokens)
-        seen = [p for bucket, p in self._p99.items() if bucket >= b]
-        if not seen:
-            return self.generous_s  # larger than any step seen recently
-        return min(self.generous_s, max(self.floor_s, self.multiple * max(seen)))
+        estimate = self._estimate(self.bucket(tokens))
+        if estimate is None:
+            return self.generous_s
+        return min(self.generous_s, max(self.floor_s, self.multiple * estimate))
+
+    def _estimate(self, b: int) -> float | None:
+        """The 99th percentile of a step in bucket ``b``, from the buckets seen often enough."""
+        known = sorted(k for k in self._p99 if len(self.buckets[k]) >= MIN_SAMPLES)
+        if not known:
+            return None
+        if b in known:
+            return self._p99[b]
+        larger = [k for k in known if k > b]
+        if larger:
+            return self._p99[larger[0]]
+        below = known[-1]
+        return self._p99[below] * 2 ** (b - below)  # up to twice the tokens per bucket step
 
     @property
     def warm(self) -> bool:

@@ -376,17 +376,25 @@ def test_step_deadline_is_generous_until_warm_and_for_what_it_has_not_seen():
 
     d = StepDeadline(generous_s=120, floor_s=5, multiple=20, warmup=4)
     assert d.timeout_for(8) == 120 and not d.warm
-    for _ in range(4):
+    for _ in range(8):
         d.observe(0.01, 8)  # decode steps of 8 tokens, 10 ms
     assert d.warm and d.timeout_for(8) == 5  # 20 x 10 ms is under the floor
-    assert d.timeout_for(1) == 5  # smaller steps are held to the larger ones' times
-    assert d.timeout_for(4096) == 120  # a prefill larger than any seen: generous
+    assert d.timeout_for(1) == 5  # a size seen too rarely borrows the next larger one's times
+    assert d.timeout_for(64) == 5  # a larger one scales the largest seen by the tokens: 8 x 10 ms x 20
+    assert d.timeout_for(512) == 12.8  # 2^6 x 10 ms x 20
+    assert d.timeout_for(4096) == 102.4  # a long prefill: long (2^9 x 10 ms x 20)
+    assert d.timeout_for(1 << 15) == 120  # beyond the generous deadline: that one
     assert d.timeout_for(None) == 120  # not a step (loading, sleep/wake)
-    for _ in range(40):
-        d.observe(1.0, 4000)  # a long prefill, once seen, has its own times
-    assert d.timeout_for(3000) == 20 and d.timeout_for(8) == 20
+    for _ in range(8):
+        d.observe(1.0, 4000)  # a long prefill, once seen often enough, has its own times ...
+    assert d.timeout_for(3000) == 20
+    assert d.timeout_for(8) == 5  # ... and does not stretch the small steps'
+    for _ in range(100):
+        d.observe(0.5, 8)
+    assert d.timeout_for(8) == 10  # decode got slower (a loaded machine): its deadline follows
     slow = StepDeadline(generous_s=30, floor_s=5, multiple=20, warmup=1)
-    slow.observe(10.0, 8)
+    for _ in range(8):
+        slow.observe(10.0, 8)
     assert slow.timeout_for(8) == 30  # never beyond the generous deadline
 
 
