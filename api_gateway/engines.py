@@ -3,17 +3,18 @@
 A link follows the manager's events for its model. When the manager says the
 engine is ready (with an incarnation id), the link opens a fresh DEALER to the
 engine's socket and says hello; frames of an older incarnation are dropped.
-When the engine exits, every in-flight request of that model is failed at once
-and new requests wait (bounded) for the next incarnation instead of failing.
+When the engine exits, every in-flight request of that model hears of it at
+once (and goes on with the next incarnation: sequences.py) and new requests
+wait (bounded) for it instead of failing.
 
-The link's state is a ``LinkState``, changed only by ``EngineLink._swap``
-along ``TRANSITIONS``; the ``ready`` event follows it there.
+The link's state is a ``LinkState`` (link_state.py), changed only by
+``EngineLink._swap`` along ``TRANSITIONS``; the ``ready`` and ``decided``
+events follow it there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from dataclasses import dataclass
 
@@ -22,63 +23,13 @@ import zmq
 import zmq.asyncio
 
 from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
+from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, LinkState
 from servectl.wire import engine as EP
 
 __all__ = ["EngineLink", "EngineRequestError", "EngineUnavailable", "LinkState", "RequestStream", "TRANSITIONS"]
 
 log = logging.getLogger("api_gateway.engines")
-
-
-class LinkState(enum.Enum):
-    # No engine to talk to yet: the manager is starting one. New requests wait.
-    STARTING = "starting"
-    # The manager announced an incarnation ready: our socket is open, our Hello sent. New requests wait.
-    CONNECTING = "connecting"
-    # The engine answered our Hello: requests are sent to it.
-    READY = "ready"
-    # The manager drains or stops the engine: requests in flight run on, new ones wait
-    # for the next incarnation (a restart) or are refused (an unload).
-    DRAINING = "draining"
-    # The engine exited (backoff, stopped): socket closed, requests in flight failed, new ones wait.
-    DOWN = "down"
-    # A crash loop (the manager gave up) or a protocol mismatch: new requests are refused at once.
-    FAILED = "failed"
-    # The model was unloaded: requests in flight failed, waiters woken and refused. Terminal.
-    REMOVED = "removed"
-
-
 S = LinkState
-LIVE = frozenset(S) - {S.REMOVED}
-# Our Hello may be unanswered in these: STARTING and DRAINING keep the socket they were entered with.
-HELLO_PENDING = frozenset({S.CONNECTING, S.STARTING, S.DRAINING})
-
-# Where each state may go. The manager's word moves a live link almost anywhere; what the
-# table forbids is READY without an answered Hello (DOWN and FAILED have no socket, READY
-# has had its answer) and anything after REMOVED.
-TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
-    # STARTING, DRAINING → READY: the gateway's snapshot (a StatusReply) and the events are two
-    # sockets, so a "starting" or "stopping" older than the "ready" that made us connect can
-    # arrive after it; the engine answering our Hello is the fresher fact.
-    S.STARTING: frozenset({S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
-    # CONNECTING → CONNECTING: another incarnation was announced before the Hello was answered.
-    S.CONNECTING: frozenset({S.CONNECTING, S.READY, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.READY: frozenset({S.CONNECTING, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.DRAINING: frozenset({S.DRAINING, S.READY, S.CONNECTING, S.STARTING, S.DOWN, S.FAILED, S.REMOVED}),
-    S.DOWN: frozenset({S.DOWN, S.STARTING, S.CONNECTING, S.DRAINING, S.FAILED, S.REMOVED}),
-    S.FAILED: frozenset({S.FAILED, S.STARTING, S.CONNECTING, S.DRAINING, S.DOWN, S.REMOVED}),
-    S.REMOVED: frozenset(),
-}
-
-# The manager's states for a model ("ready" connects, "removed" is EngineLink.remove).
-MANAGER_STATES = {
-    "starting": S.STARTING,
-    "draining": S.DRAINING,
-    "stopping": S.DRAINING,
-    "exited": S.DOWN,
-    "backoff": S.DOWN,
-    "stopped": S.DOWN,
-    "failed": S.FAILED,
-}
 
 
 @dataclass(eq=False)

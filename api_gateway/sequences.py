@@ -135,6 +135,7 @@ class RequestRun:
                                                             f"{timeout:g}s and was not restarted", 10)) from None
                     hung = await self._probe(sink, remaining, timeout)
                     continue
+                hung = False  # it answers after all (a slow step, not a hang)
                 if rid not in remaining:
                     continue  # after that request's error
                 if isinstance(item, EngineUnavailable):
