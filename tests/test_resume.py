@@ -104,6 +104,8 @@ class Client(threading.Thread):
             for c in event["choices"]:
                 i = c["index"]
                 if "delta" in c:
+                    if "role" in c["delta"]:
+                        continue  # a chat stream's opening chunk (the role), no token
                     text = c["delta"].get("content") or ""
                     entries = (c.get("logprobs") or {}).get("content") or []
                 else:
