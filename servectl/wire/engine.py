@@ -31,9 +31,10 @@ class Hello(_Msg, tag="hello"):
 class Resume(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Continue one choice of a request on a new engine (its engine restarted mid-request).
 
-    The engine appends ``token_ids`` to the prompt, asks for what is left of
-    ``max_tokens`` / ``min_tokens`` with n = 1, and reports the choice as
-    ``index`` and the original prompt's length. ``text_chars`` of the output's
+    The engine builds the request from ``body`` as usual, appends
+    ``token_ids`` to its prompt, asks for what is left of ``max_tokens`` /
+    ``min_tokens`` with n = 1, and sends deltas for choice ``index`` without
+    prompt information (the client has it). ``text_chars`` of the output's
     text reached the client: the rest (held back while checking stop strings)
     comes first, and a stop string spanning the seam still stops.
     """
