@@ -117,6 +117,14 @@ class ResponseAccumulator:
         return ChoiceDelta(pi, index, text, entries, d.token_ids, d.finish_reason, d.stop_reason, first, opens,
                            empty)
 
+    def restart(self, pi: int, choice: int) -> None:
+        """Forget what one choice had: it runs again from its start (a whole answer whose engine
+        restarted where it could not be continued exactly; the client saw none of it). Its
+        echo comes again with its new first delta."""
+        old = self.choices.pop(pi * self.n + choice, None)
+        if old is not None:
+            self.completion_tokens -= old.tokens
+
     def usage(self) -> H.Usage:
         prompt = sum(self.prompt_tokens)
         return H.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,

@@ -3,17 +3,18 @@
 A link follows the manager's events for its model. When the manager says the
 engine is ready (with an incarnation id), the link opens a fresh DEALER to the
 engine's socket and says hello; frames of an older incarnation are dropped.
-When the engine exits, every in-flight request of that model is failed at once
-and new requests wait (bounded) for the next incarnation instead of failing.
+When the engine exits, every in-flight request of that model hears of it at
+once (and goes on with the next incarnation: sequences.py) and new requests
+wait (bounded) for it instead of failing.
 
-The link's state is a ``LinkState``, changed only by ``EngineLink._swap``
-along ``TRANSITIONS``; the ``ready`` event follows it there.
+The link's state is a ``LinkState`` (link_state.py), changed only by
+``EngineLink._swap`` along ``TRANSITIONS``; the ``ready`` and ``decided``
+events follow it there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,78 +24,13 @@ import zmq
 import zmq.asyncio
 
 from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
+from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, LinkState
 from servectl.wire import engine as EP
 
 __all__ = ["EngineLink", "EngineRequestError", "EngineUnavailable", "LinkState", "RequestStream", "TRANSITIONS"]
 
 log = logging.getLogger("api_gateway.engines")
-
-
-class LinkState(enum.Enum):
-    # No engine to talk to yet: the manager is starting one. New requests wait.
-    STARTING = "starting"
-    # The manager announced an incarnation ready: our socket is open, our Hello sent. New requests wait.
-    CONNECTING = "connecting"
-    # The engine answered our Hello: requests are sent to it.
-    READY = "ready"
-    # The manager drains or stops the engine: requests in flight run on, new ones wait
-    # for the next incarnation (a restart) or are refused (an unload).
-    DRAINING = "draining"
-    # The engine exited (backoff, stopped): socket closed, requests in flight failed, new ones wait.
-    DOWN = "down"
-    # A crash loop (the manager gave up) or a protocol mismatch: new requests are refused at once.
-    FAILED = "failed"
-    # The model was unloaded: requests in flight failed, waiters woken and refused. Terminal.
-    REMOVED = "removed"
-    # Idle release: the model gave its memory back (or, autostart = false, was never started).
-    # New requests wait, and each one that starts waiting asks the manager to wake it (WakeModel).
-    # Entered on the manager's "released"/"asleep", or at once when the engine bounces a request
-    # (RequestError.released: it agreed to release, so nothing more is sent to it).
-    RELEASED = "released"
-
-
 S = LinkState
-LIVE = frozenset(S) - {S.REMOVED}
-# Our Hello may be unanswered in these: STARTING and DRAINING keep the socket they were entered with.
-HELLO_PENDING = frozenset({S.CONNECTING, S.STARTING, S.DRAINING})
-
-# Where each state may go. The manager's word moves a live link almost anywhere; what the
-# table forbids is READY without an answered Hello (DOWN and FAILED have no socket, READY
-# has had its answer) and anything after REMOVED.
-TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
-    # STARTING, DRAINING → READY: the gateway's snapshot (a StatusReply) and the events are two
-    # sockets, so a "starting" or "stopping" older than the "ready" that made us connect can
-    # arrive after it; the engine answering our Hello is the fresher fact.
-    # STARTING → READY also when a sleeping engine woke: its Hello was answered before it slept.
-    S.STARTING: frozenset({S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED,
-                           S.RELEASED}),
-    # CONNECTING → CONNECTING: another incarnation was announced before the Hello was answered.
-    S.CONNECTING: frozenset({S.CONNECTING, S.READY, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED,
-                             S.RELEASED}),
-    S.READY: frozenset({S.CONNECTING, S.STARTING, S.DRAINING, S.DOWN, S.FAILED, S.REMOVED, S.RELEASED}),
-    S.DRAINING: frozenset({S.DRAINING, S.READY, S.CONNECTING, S.STARTING, S.DOWN, S.FAILED, S.REMOVED,
-                           S.RELEASED}),
-    S.DOWN: frozenset({S.DOWN, S.STARTING, S.CONNECTING, S.DRAINING, S.FAILED, S.REMOVED, S.RELEASED}),
-    S.FAILED: frozenset({S.FAILED, S.STARTING, S.CONNECTING, S.DRAINING, S.DOWN, S.REMOVED, S.RELEASED}),
-    # RELEASED → READY: "ready" for the incarnation whose Hello was answered (woken from sleep).
-    S.RELEASED: frozenset({S.RELEASED, S.STARTING, S.CONNECTING, S.READY, S.DRAINING, S.DOWN, S.FAILED,
-                           S.REMOVED}),
-    S.REMOVED: frozenset(),
-}
-
-# The manager's states for a model ("ready" connects, "removed" is EngineLink.remove;
-# "releasing" changes nothing: the engine, which may still refuse, answers requests itself).
-MANAGER_STATES = {
-    "starting": S.STARTING,
-    "draining": S.DRAINING,
-    "stopping": S.DRAINING,
-    "exited": S.DOWN,
-    "backoff": S.DOWN,
-    "stopped": S.DOWN,
-    "failed": S.FAILED,
-    "released": S.RELEASED,  # unloaded: no engine (the socket is closed)
-    "asleep": S.RELEASED,  # vLLM's sleep mode: the engine lives (the socket stays)
-}
 
 
 @dataclass(eq=False)
@@ -126,6 +62,13 @@ class EngineLink:
         self.state = S.STARTING
         # Set exactly while READY or REMOVED: either way, waiting for the engine is over.
         self.ready = asyncio.Event()
+        # Set while READY, FAILED or REMOVED: what a held request waits for (FAILED ends the wait at once).
+        self.decided = asyncio.Event()
+        # Set when the socket in use is closed (its engine lifetime is over): a fresh one per socket.
+        self.gone = asyncio.Event()
+        # The engine's step deadline as it last published it (None until it is warm): hangs are
+        # then found in that many seconds, not in the configured cold ones.
+        self.step_deadline_s: float | None = None
         # What /health and /v1/models say while not READY: the manager's word for the model
         # ("starting", "stopping", "backoff", ...), or "failed"/"removed" when the link decided.
         self.word = "starting"
@@ -169,6 +112,10 @@ class EngineLink:
             self.ready.set()
         else:
             self.ready.clear()
+        if new in (S.READY, S.FAILED, S.REMOVED):
+            self.decided.set()
+        else:
+            self.decided.clear()
         if new is S.RELEASED and old is not S.RELEASED and self.waiting:
             self.wake(self.model)  # requests already wait (held through a restart or the release's stop)
         return True
@@ -223,6 +170,8 @@ class EngineLink:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.connect(f"ipc://{self.socket_path}")
         self.sock = sock
+        self.gone = asyncio.Event()
+        self.step_deadline_s = None  # a new engine lifetime publishes its own once warm
         self.connecting_to = incarnation
         self.reader = asyncio.get_running_loop().create_task(self._handshake_then_read(sock, incarnation))
 
@@ -234,6 +183,7 @@ class EngineLink:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            self.gone.set()
         self.incarnation = self.connecting_to = ""
         # Aborts for a closed socket are moot: that engine lifetime is over.
         self._abort_ids.clear()
@@ -286,7 +236,7 @@ class EngineLink:
                     fut.set_result(msg.text)
         elif isinstance(msg, EP.RequestError) and msg.released:
             # The engine agreed to give its memory back: nothing more goes to it, and the
-            # request (not started) waits for the wake like any other.
+            # request (not started) waits for the wake like any other (sequences.py sends it again).
             if self.state is S.READY and self._swap(frozenset({S.READY}), S.RELEASED):
                 self.word = "released"  # (later bounces, from requests sent meanwhile, change nothing)
             stream = self.streams.pop(msg.request_id, None)
@@ -325,29 +275,37 @@ class EngineLink:
         return self.hold_timeout_s or default_s
 
     async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
-        if self.state is S.READY:
-            return
-        if self.state is S.FAILED:
-            raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
-                                    f"an operator must run `servectl restart {self.model}`", retry_after=None)
-        if self.state is S.REMOVED:
-            raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
+        """Until the engine is ready (``sequences`` count as held meanwhile); FAILED, REMOVED
+        and the timeout raise ``EngineUnavailable``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         self.waiting += sequences
         if self.state is S.RELEASED:
             self.wake(self.model)
         try:
-            # event-proof: the hold timeout, armed only while a request waits for its engine.
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
-            if self.state is S.REMOVED:
-                raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after waiting "
-                                    f"{timeout_s:g}s", retry_after=10) from None
+            while True:
+                if self.state is S.READY:
+                    return
+                if self.state is S.FAILED:
+                    raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
+                                            f"an operator must run `servectl restart {self.model}`", retry_after=None)
+                if self.state is S.REMOVED:
+                    raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after "
+                                            f"waiting {timeout_s:g}s", retry_after=10)
+                try:
+                    # event-proof: the hold timeout, armed only while a request waits for its engine.
+                    await asyncio.wait_for(self.decided.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
         finally:
             self.waiting -= sequences
 
-    async def submit(self, frames: list[tuple[str, bytes]], choices: int, sink: asyncio.Queue) -> None:
-        """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order.
+    async def submit(self, frames: list[tuple[str, bytes]], sink: asyncio.Queue, choices: dict[str, int]) -> None:
+        """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order;
+        ``choices`` says how many finishes end each (its n, or 1 for a resumed choice).
 
         Every frame is on the engine's socket when this returns. Otherwise (the engine went
         away, a send found the engine not taking frames for ``send_timeout_s``, the caller
@@ -359,14 +317,14 @@ class EngineLink:
         sock = self.sock
         rids = [rid for rid, _ in frames]
         for rid in rids:
-            self.streams[rid] = RequestStream(rid, sink, unfinished=choices)
+            self.streams[rid] = RequestStream(rid, sink, unfinished=choices[rid])
         try:
             for i, (_, frame) in enumerate(frames):
                 await self._send(sock, frame, "a request")
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     # A cooperative yield, not a timed wait: a large batch lets other
                     # requests' tokens out between its sends.
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)  # event-proof: yields once to the loop, waits for no time
         except BaseException:
             self.abort(rids)
             raise
@@ -378,10 +336,10 @@ class EngineLink:
         try:
             # event-proof: the send completes as soon as the engine reads its socket (between
             # steps); only a hung engine lets this deadline pass.
-            async with asyncio.timeout(self.send_timeout_s):
+            async with asyncio.timeout(timeout := self.output_timeout(self.send_timeout_s)):
                 await sock.send(frame)
         except TimeoutError:
-            raise EngineStalled(f"model {self.model!r} did not take {what} for {self.send_timeout_s:g}s",
+            raise EngineStalled(f"model {self.model!r} did not take {what} for {timeout:g}s",
                                 retry_after=10) from None
         except asyncio.CancelledError:
             # Closing the socket (the engine went away) cancels the send's future, not us.
@@ -409,6 +367,14 @@ class EngineLink:
                                 retry_after=10) from None
         finally:
             self.replies.pop(msg.request_id, None)
+
+    def output_timeout(self, cold_s: float) -> float:
+        """How long a request may see no output before the engine is probed (and as long again
+        before it is called hung): the engine's published step deadline, plus a margin, once it
+        is warm; ``cold_s`` (gateway.output_timeout_s) before that."""
+        if self.step_deadline_s is None:
+            return cold_s
+        return min(cold_s, self.step_deadline_s + 2.0)
 
     def queued(self, more: int = 0) -> int:
         """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what

@@ -45,6 +45,7 @@ class Generator:
                       base: str) -> web.StreamResponse:
         acc = ResponseAccumulator(req, chat, len(run.gens), f"{'chatcmpl' if chat else 'cmpl'}-{base}",
                                   keep=not req.stream)
+        run.restart = acc.restart  # a choice that runs again from its start (nothing of it was sent)
         if req.stream:
             return await self.stream(request, req, run, acc)
         return await self.complete(request, req, run, acc)
@@ -79,6 +80,7 @@ class Generator:
         except StopAsyncIteration:
             first = None
         await resp.prepare(request)
+        run.whole_answer = False  # from now on the client sees the answer as it comes
         write_timeout = self.cfg.body_timeout_s
 
         async def write(data: bytes) -> None:

@@ -79,6 +79,12 @@ class ManagerLink:
                         continue
                     if ev.kind == "model" and ev.model:
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s)
+                    elif ev.kind == MP.DEADLINE and ev.model:
+                        try:
+                            self.on_deadline(ev.model, float(ev.detail), ev.incarnation)
+                        except ValueError:
+                            pass
+                        continue
                     self.metrics.child_state(ev.component, ev.state)
                     if ev.kind == "model" and ev.state == "exited" and self.count_restarts:
                         self.metrics.engine_restarts.labels(model=ev.model).inc()
@@ -90,6 +96,8 @@ class ManagerLink:
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s)
+                            if m.step_deadline_s is not None:
+                                self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
                     elif isinstance(reply, MP.ApiKeys):
                         self.on_api_keys(reply.keys)
                         await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
@@ -107,6 +115,14 @@ class ManagerLink:
         if link is None:
             link = self.links[model] = self._new_link(model)
         link.on_model_state(state, incarnation, reason, hold_timeout_s)
+
+    def on_deadline(self, model: str, seconds: float, incarnation: str = "") -> None:
+        """An engine published its step deadline: its link finds hangs by it, /metrics shows it."""
+        link = self.links.get(model)
+        if link is None or (incarnation and incarnation not in (link.incarnation, link.connecting_to)):
+            return  # another engine lifetime's
+        link.step_deadline_s = seconds
+        self.metrics.step_deadline.labels(model=model).set(seconds)
 
     async def send_ready(self, component: str, pid: int) -> None:
         self.component = component

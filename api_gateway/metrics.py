@@ -42,6 +42,10 @@ class Metrics:
         self.overlapped_steps = Gauge("servectl_engine_overlapped_steps",
                                       "Engine steps sent while the previous one was still executing",
                                       ["model"], multiprocess_mode="livemostrecent", **reg)
+        self.step_deadline = Gauge("servectl_engine_step_deadline_seconds",
+                                   "The engine's deadline for a step, derived from the steps it has seen (as last "
+                                   "published; hangs are found in this long)", ["model"],
+                                   multiprocess_mode="livemostrecent", **reg)
         self.engine_restarts = Counter("servectl_engine_restarts", "Engine group restarts seen", ["model"], **reg)
         self.child_states = Gauge("servectl_child_state", "1 for the state each supervised process is in",
                                   ["component", "state"], multiprocess_mode="max", **reg)

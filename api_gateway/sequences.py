@@ -1,14 +1,25 @@
-"""The engine side of one admitted request: its engine requests submitted, read and aborted.
+"""The engine side of one admitted request: its engine requests submitted, read, continued and aborted.
 
 A ``RequestRun`` owns the engine requests one HTTP request became (one per
-prompt, each with the request's ``n`` choices). ``deltas()`` submits them
-and yields (prompt index, Delta) until every choice finished; leaving it in
-any way (the end, an error, the client gone) aborts whatever the engine still
-runs for them. Nothing of it waits without a deadline: sends are bounded
-(``EngineLink.submit``), waiting for the engine to be ready is bounded by the
-hold timeout, and output is awaited under ``output_timeout_s``, past which
-the engine is asked whether it still holds the requests (queued behind
-others is not hung; not answering is; not holding them is a lost request).
+prompt, each with the request's ``n`` choices). ``deltas()`` submits them and
+yields (prompt index, Delta) until every choice finished; leaving it in any
+way (the end, an error, the client gone) aborts whatever the engine still runs
+for them.
+
+A crash costs latency, not errors: when the engine goes away mid-request
+(a crash, a hang the group was restarted for), the request waits for the next
+incarnation, at most ``hold_timeout_s`` from the moment it learned of it, and
+each unfinished choice goes on there (``resume.plan``): the same response, the
+next token, nothing repeated or missing. A model that failed, a choice vLLM
+cannot continue exactly that the client has seen part of, or more than
+``MAX_RESTARTS`` restarts in one request end it with today's errors.
+
+Nothing waits without a deadline: sends are bounded (``EngineLink.submit``),
+the wait for the engine by the hold timeout, output by the engine's step
+deadline (``EngineLink.output_timeout``), past which the engine is asked
+whether it still holds the requests: queued behind others waits on, not
+holding them is a lost request (503), not answering is a hang, reported to the
+manager, whose restart the request then waits for (as long again) to go on.
 """
 
 from __future__ import annotations
@@ -21,10 +32,15 @@ from typing import AsyncIterator, Callable
 from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineStalled, EngineUnavailable, HttpError, refused_by_engine,
                                 unavailable)
+from api_gateway.resume import CannotContinue, Choice, plan
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
 
 log = logging.getLogger("api_gateway")
+
+# Engine restarts one request rides through; beyond, it fails (a request that brings its
+# engine down each time must not keep the model in a crash loop).
+MAX_RESTARTS = 3
 
 
 def encode_generate(gen: EP.Generate) -> bytes:
@@ -35,101 +51,146 @@ def encode_generate(gen: EP.Generate) -> bytes:
         raise HttpError(400, "an integer in the request is outside the 64-bit range the engine accepts") from None
 
 
+class EngineGone(Exception):
+    """This engine lifetime ended under the request (the link's socket closed, or it hung)."""
+
+
 class RequestRun:
     def __init__(self, link: EngineLink, gens: list[EP.Generate], n: int, cfg: GatewayConfig,
-                 new_request_id: Callable[[], str], report_hang: Callable[[EngineLink], None]):
+                 new_request_id: Callable[[], str], report_hang: Callable[[EngineLink], None],
+                 whole_answer: bool = True, restart: Callable[[int, int], None] = lambda pi, c: None):
         self.link = link
         self.gens = gens
         self.n = n
         self.cfg = cfg
         self.new_request_id = new_request_id
         self.report_hang = report_hang
+        # True while nothing of the answer reached the client (a whole answer; a stream
+        # before its first event): a choice may then run again from its start.
+        self.whole_answer = whole_answer
+        self.restart = restart  # the response forgets a choice that runs again from its start
+        self.choices = [[Choice() for _ in range(n)] for _ in gens]
+        self.restarts = 0
         # Encoded now, before anything is registered: a request that cannot be sent is a 400.
         self.frames = [encode_generate(g) for g in gens]
 
     async def deltas(self) -> AsyncIterator[tuple[int, EP.Delta]]:
-        """Yield (prompt index, Delta) for every prompt's request until all finish.
-
-        A request whose engine went away before it produced anything has lost
-        nothing: it waits for the next incarnation (within the hold timeout)
-        and is sent again, so a request that raced the engine's death is held
-        like one that arrived after it. Once output has flowed, an engine
-        failure ends the request with an error.
-        """
+        """Yield (prompt index, Delta) for every prompt's request until every choice finished."""
         link = self.link
-        deadline = time.monotonic() + link.hold_s(self.cfg.hold_timeout_s)
+        batch = [(pi, g, f) for pi, (g, f) in enumerate(zip(self.gens, self.frames))]
         while True:
-            produced = False
             try:
-                async for item in self._once():
-                    produced = True
+                async for item in self._run(batch):
                     yield item
                 return
-            except EngineStalled as exc:
-                self.report_hang(link)  # it reads nothing: hung
-                raise unavailable(exc) from None
-            except EngineUnavailable as exc:
-                left = deadline - time.monotonic()
-                if produced or left <= 0:
-                    raise unavailable(exc) from None
-            log.info("engine of %s went away before any output; holding %d request(s)", link.model, len(self.gens))
+            except EngineGone as exc:
+                why = str(exc)
+            # The hold clock starts now: the engine's restart has this long to come.
+            deadline = time.monotonic() + link.hold_s(self.cfg.hold_timeout_s)
+            self.restarts += 1
+            if self.restarts > MAX_RESTARTS:
+                raise unavailable(EngineUnavailable(f"model {link.model!r} restarted {MAX_RESTARTS} times during "
+                                                    f"this request ({why})", retry_after=5))
             try:
-                await link.wait_ready(left)
-            except EngineUnavailable as exc:
+                await link.wait_ready(deadline - time.monotonic())
+            except EngineUnavailable as exc:  # past the hold timeout, failed, unloaded
                 raise unavailable(exc) from None
-            for g in self.gens:
-                g.request_id = self.new_request_id()
-            self.frames = [encode_generate(g) for g in self.gens]
+            try:
+                sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart)
+            except CannotContinue as exc:
+                raise unavailable(EngineUnavailable(
+                    f"the engine of model {link.model!r} restarted ({why}) and this stream cannot be continued "
+                    f"exactly: {exc}", retry_after=5)) from None
+            log.info("model %s restarted (%s): going on with %d engine request(s) (restart %d of this request)",
+                     link.model, why, len(sends), self.restarts)
+            batch = [(pi, g, encode_generate(g)) for pi, g in sends]
 
-    async def _once(self) -> AsyncIterator[tuple[int, EP.Delta]]:
+    async def _run(self, batch: list[tuple[int, EP.Generate, bytes]]) -> AsyncIterator[tuple[int, EP.Delta]]:
+        """One engine lifetime: submit ``batch``, pass its deltas on; ``EngineGone`` when it ends under us."""
         link = self.link
         sink: asyncio.Queue = asyncio.Queue()
-        index_of = {g.request_id: i for i, g in enumerate(self.gens)}
-        remaining = dict.fromkeys(index_of, self.n)
+        prompt_of = {g.request_id: pi for pi, g, _ in batch}
+        remaining = {g.request_id: (1 if g.resume is not None else self.n) for _, g, _ in batch}
+        resumed = {g.request_id for _, g, _ in batch if g.resume is not None}
+        gone = link.gone
         try:
-            await link.submit(list(zip(index_of, self.frames)), self.n, sink)
+            try:
+                await link.submit([(g.request_id, f) for _, g, f in batch], sink, dict(remaining))
+            except EngineStalled as exc:
+                await self._hung(gone, str(exc))
+            except EngineUnavailable as exc:
+                raise EngineGone(str(exc)) from None
+            hung = False
             while remaining:
+                timeout = link.output_timeout(self.cfg.output_timeout_s)
                 try:
                     # A deadline only while this request waits for output; asyncio.timeout
                     # costs a timer handle per token where wait_for would cost a task.
                     # event-proof: armed only while sequences of this request are in flight.
-                    async with asyncio.timeout(self.cfg.output_timeout_s):
+                    async with asyncio.timeout(timeout):
                         rid, item = await sink.get()
                 except TimeoutError:
-                    await self._probe(sink, remaining)
+                    if hung:  # reported, and its restart did not come: give up
+                        raise unavailable(EngineUnavailable(f"model {link.model!r} produced no output for "
+                                                            f"{timeout:g}s and was not restarted", 10)) from None
+                    hung = await self._probe(sink, remaining, timeout)
                     continue
+                hung = False  # it answers after all (a slow step, not a hang)
                 if rid not in remaining:
                     continue  # after that request's error
                 if isinstance(item, EngineUnavailable):
-                    raise item
+                    raise EngineGone(str(item))
                 if isinstance(item, EngineRequestError):
                     raise refused_by_engine(item)
+                if rid in resumed:
+                    item.prompt = None  # the client has its prompt; this one holds the output too
+                self._passed(prompt_of[rid], item)
                 if item.finish_reason is not None:
                     remaining[rid] -= 1
                     if remaining[rid] <= 0:
                         del remaining[rid]
-                yield index_of[rid], item
+                yield prompt_of[rid], item
         finally:
-            link.abort(list(index_of))  # no-op for finished ones
+            link.abort(list(prompt_of))  # no-op for finished ones
 
-    async def _probe(self, sink: asyncio.Queue, remaining: dict[str, int]) -> None:
-        """No output for a while: queued behind other requests, hung, or lost?
+    def _passed(self, pi: int, d: EP.Delta) -> None:
+        """What the client is given (or will be: a whole answer) of one choice."""
+        c = self.choices[pi][d.index]
+        c.started = True
+        c.tokens.extend(d.token_ids)
+        c.text_chars += len(d.text)
+        if d.finish_reason is not None:
+            c.finished = True
 
-        The engine answers Stats between steps; a step stuck on a hung worker
-        keeps it from answering at all. A request it no longer holds while we
-        wait for it was lost (never delivered, or dropped): it fails rather
-        than waiting forever.
+    async def _hung(self, gone: asyncio.Event, why: str) -> None:
+        """The engine takes nothing: reported hung; its restart is awaited (bounded), then gone."""
+        link = self.link
+        self.report_hang(link)
+        timeout = link.output_timeout(self.cfg.output_timeout_s)
+        try:
+            # event-proof: the manager's restart of a group reported hung; bounded.
+            await asyncio.wait_for(gone.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise unavailable(EngineUnavailable(f"{why}, and it was not restarted", retry_after=10)) from None
+        raise EngineGone(why)
+
+    async def _probe(self, sink: asyncio.Queue, remaining: dict[str, int], timeout: float) -> bool:
+        """No output for a while: queued behind other requests, hung, or lost? True if hung.
+
+        The engine answers Stats between steps; a step stuck on a hung worker keeps it
+        from answering at all. A request it no longer holds while we wait for it was lost
+        (never delivered, or dropped): it fails rather than waiting forever.
         """
         link = self.link
-        reply = await link.stats(self.cfg.output_timeout_s, request_ids=list(remaining))
+        reply = await link.stats(timeout, request_ids=list(remaining))
         if reply is None:
-            self.report_hang(link)
-            raise HttpError(503, f"model {link.model!r} produced no output for {self.cfg.output_timeout_s:g}s; "
-                                 "its engine is being restarted", "service_unavailable",
-                            code="engine_unavailable", headers={"Retry-After": "10"})
+            log.error("model %s: no output for %gs and no answer to a probe: hung", link.model, timeout)
+            self.report_hang(link)  # the manager restarts the group; our sink hears of it
+            return True
         # Output that came in with the reply is read first (the engine sent it before).
         lost = [rid for rid in reply.missing if rid in remaining]
         if lost and sink.empty():
             log.error("engine %s does not hold request(s) %s that wait for output", link.model, lost[:4])
             raise HttpError(503, f"model {link.model!r} lost this request; send it again", "service_unavailable",
                             code="engine_unavailable", headers={"Retry-After": "1"})
+        return False

@@ -7,10 +7,17 @@ Four streaming clients run steadily (ignore_eos, long outputs); after a quiet
 window, one request with 256 prompts (the per-request cap) is posted. The
 streams' inter-token gaps are compared: before the batch, while it is being
 admitted (from its POST until each of its prompts produced its first token,
-i.e. every sequence was submitted, tokenised and added), and after. The
-figure: the streams' p50 / p99 / max gap in each window. A gateway that
-submitted the batch in one blocking loop, or an engine that tokenised and
-added it between two steps, shows as a spike in the middle window.
+i.e. every sequence was submitted, tokenised, added and prefilled), and
+after. The figure: the streams' p50 / p99 / max gap in each window.
+
+Twice: with one-token prompts (given as token ids), whose prefill costs
+next to nothing, so the middle window shows what admitting itself costs the
+others (a gateway submitting in one blocking loop, an engine tokenising and
+adding everything between two steps would show as a spike); and with
+~50-token text prompts, where vLLM's scheduler also puts the batch's prefill
+into the same steps as the streams' decoding (chunked prefill: a step's
+token budget is shared), which lengthens those steps by the prefill's
+compute.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ async def stream(session: aiohttp.ClientSession, url: str, headers: dict, stamps
                     break
 
 
-async def measure(url: str, key: str | None, quiet_s: float = 3.0, after_s: float = 3.0) -> dict:
+async def measure(url: str, key: str | None, prompts: list, quiet_s: float = 3.0, after_s: float = 3.0) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     stop = asyncio.Event()
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
@@ -58,7 +65,6 @@ async def measure(url: str, key: str | None, quiet_s: float = 3.0, after_s: floa
         tasks = [asyncio.ensure_future(stream(session, url, headers, s, stop)) for s in stamps]
         await asyncio.sleep(quiet_s)  # the streams settle; this is the "before" window
         t_post = time.monotonic()
-        prompts = [f"# prompt {i}\n" + "import os\n" * 20 for i in range(BATCH)]
         batch = {"model": "default", "prompt": prompts, "max_tokens": 4, "stream": True}
         first: set[int] = set()
         t_admitted = None
@@ -108,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         args.url = server.base
     try:
-        result = asyncio.run(measure(args.url, args.key))
+        result = {
+            "one_token_prompts": asyncio.run(measure(args.url, args.key, [[5 + i % 100] for i in range(BATCH)])),
+            "text_prompts": asyncio.run(measure(args.url, args.key,
+                                                [f"# prompt {i}\n" + "import os\n" * 20 for i in range(BATCH)])),
+        }
     finally:
         if server is not None:
             server.stop()

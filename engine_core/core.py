@@ -28,6 +28,7 @@ from engine_core import metrics as engine_metrics
 from engine_core.idle import IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
+from engine_core.resume import continue_request, seed_detokenizer
 from engine_core.worker_group import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
@@ -82,6 +83,8 @@ class EngineServer:
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
         self.specs: dict[str, Any] = {}  # request id -> its OutputSpec (what its responses show)
+        # Resumed requests: the choice each continues (engine_core/resume.py).
+        self.resumed: dict[str, int] = {}
         self.outputs = OutputFormatter(self.tokenizer)
         self.rejected = 0
         self.draining = False
@@ -314,8 +317,12 @@ class EngineServer:
             return
         try:
             built = self._build(msg)
-            self.engine.add_request(rid, built.engine_input, built.params, priority=built.priority,
-                                    session_id=built.session_id)
+            prompt_ids = continue_request(built, msg.resume) if msg.resume is not None else None
+            internal_id = self.engine.add_request(rid, built.engine_input, built.params, priority=built.priority,
+                                                  session_id=built.session_id)
+            if msg.resume is not None:
+                self.resumed[rid] = msg.resume.index
+                seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)
@@ -357,6 +364,7 @@ class EngineServer:
             if not self.by_peer[peer]:
                 del self.by_peer[peer]
         self.specs.pop(rid, None)
+        self.resumed.pop(rid, None)
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
@@ -373,8 +381,12 @@ class EngineServer:
             if peer is None or spec is None:
                 continue  # aborted meanwhile
             try:
-                batches[peer].extend(self.outputs.deltas(ro, spec, first=not spec.started))
+                deltas = self.outputs.deltas(ro, spec, first=not spec.started)
                 spec.started = True
+                if rid in self.resumed:  # the choice it continues; the client had its prompt already
+                    for d in deltas:
+                        d.index, d.prompt = self.resumed[rid], None
+                batches[peer].extend(deltas)
             except Exception as exc:  # this request's output only: it fails, the others go on
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")

@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
     bind_private(frontend, paths.engine(spec.model.name))
 
+    def report_deadline(seconds: float) -> None:
+        log.info("step deadline now %.3gs (derived from the steps seen)", seconds)
+        control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.model.name, incarnation=spec.incarnation,
+                                                              seconds=seconds)))
+
     from engine_core import executor as ex
 
     tp = spec.model.tensor_parallel_size
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         signer=Signer(key),
         reply_timeout_s=spec.worker_reply_timeout_s,
         distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
+        on_deadline=report_deadline,
+        step_floor_s=spec.step_deadline_floor_s,
+        step_multiple=spec.step_deadline_multiple,
     )
     group.connect(ctx)
     ex.GROUP = group
@@ -148,13 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except ex.WorkerHung as exc:
         log.error("%s: the group is hung; exiting so the manager restarts it", exc)
-        return 75
+        exit_now(75, group)
     except StepFailed as exc:
         log.exception("a step failed (%s): the engine's state is unknown; exiting so the manager restarts "
                       "the group", exc)
-        return EXIT_STEP_FAILED
-    finally:
-        log.info("executor: %s", group.counters())
+        exit_now(EXIT_STEP_FAILED, group)
+    log.info("executor: %s", group.counters())
     return 0
 
 
@@ -182,6 +189,15 @@ def report_permanent_failure(control: zmq.Socket, spec: EngineSpec, reason: str,
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue  # a message for a serving engine (AbortPeer, ...): not ours now
     log.warning("the manager did not acknowledge the failure report; exiting %d anyway", MP.EXIT_PERMANENT)
+
+
+def exit_now(code: int, group) -> None:
+    """Leave at once: every second here is a second clients wait for the restart. The
+    interpreter's teardown (vLLM's and torch's exit handlers, their threads) took seconds on
+    a loaded machine, and the engine's state is unknown anyway; only the log is flushed."""
+    log.info("executor: %s", group.counters())
+    logging.shutdown()
+    os._exit(code)
 
 
 def check_engine_args(engine_args: dict[str, Any]) -> int:

@@ -20,10 +20,13 @@ engine's one thread). The only deadline in the engine process is the one of
 the oldest outstanding call, armed when that call becomes the oldest (at its
 send if nothing was outstanding, else when its predecessor settled): a worker
 starts a call only after finishing the previous one, so a younger call's
-clock does not run while an older one holds the worker. Past the deadline the
-group is hung: every outstanding call fails with ``WorkerHung`` and the
-engine exits so the manager restarts the group. Nothing waits while nothing
-is in flight.
+clock does not run while an older one holds the worker. Its length comes
+from ``StepDeadline`` (step_deadline.py): a multiple of the recent step
+times once the engine is warm, the generous ``reply_timeout_s`` where a call
+can legitimately be slow; each step that settles feeds it, and a changed
+deadline is published (``on_deadline``). Past the deadline the group is
+hung: every outstanding call fails with ``WorkerHung`` and the engine exits
+so the manager restarts the group. Nothing waits while nothing is in flight.
 
 Freezing. Idle workers are frozen (SIGSTOP through pidfds the manager passed
 in) and thawed (SIGCONT) before the next call; a group with a call in flight
@@ -45,6 +48,7 @@ from typing import Any
 import zmq
 
 from engine_core.signing import BadSignature, Signer
+from engine_core.step_deadline import StepDeadline
 
 log = logging.getLogger("engine_core.executor")
 
@@ -80,7 +84,7 @@ class PendingCall(Future):
     """
 
     def __init__(self, group: "WorkerGroup", call_id: int, method: str, ranks: int, timeout_s: float,
-                 pick: int | None):
+                 pick: int | None, tokens: int | None = None):
         super().__init__()
         self.group = group
         self.call_id = call_id
@@ -92,6 +96,8 @@ class PendingCall(Future):
         self.errors: list[str] = []
         self.permanent: str | None = None  # the first worker failure a restart cannot fix
         self.deadline: float | None = None  # armed when this call is the oldest outstanding
+        self.armed_at = 0.0
+        self.tokens = tokens  # a step's scheduled tokens; None for any other call
 
     @property
     def complete(self) -> bool:
@@ -131,6 +137,10 @@ class WorkerGroup:
     reply_timeout_s: float
     distributed_init_method: str
     on_freeze_change: Callable[[bool], None] = lambda frozen: None
+    # The step deadline, when it changed (by a fifth or more) once the engine is warm.
+    on_deadline: Callable[[float], None] = lambda seconds: None
+    step_floor_s: float = 5.0
+    step_multiple: float = 20.0
     frozen: bool = False
     sockets: list[zmq.Socket] = field(default_factory=list)
     # Outstanding calls by id, oldest first.
@@ -141,6 +151,12 @@ class WorkerGroup:
     overlapped_steps: int = 0
     dropped_replies: int = 0
     _ids: Any = field(default_factory=lambda: itertools.count(1))
+    deadlines: StepDeadline | None = None
+    published_deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.deadlines is None:
+            self.deadlines = StepDeadline(self.reply_timeout_s, self.step_floor_s, self.step_multiple)
 
     def connect(self, ctx: zmq.Context) -> None:
         for path in self.worker_paths:
@@ -185,8 +201,10 @@ class WorkerGroup:
 
     def send(self, method: str | bytes, args: tuple, kwargs: dict | None,
              per_rank_args: list[tuple] | None = None, output_rank: int | None = None,
-             timeout: float | None = None, pick: int | None = None) -> PendingCall:
-        """Send a call to every worker (all before any reply: TP calls are rendezvous)."""
+             timeout: float | None = None, pick: int | None = None, tokens: int | None = None) -> PendingCall:
+        """Send a call to every worker (all before any reply: TP calls are rendezvous).
+
+        ``tokens``: the step's scheduled tokens (a step call), which sizes its deadline."""
         self.thaw()
         name = method_name(method)
         if name in STEP_METHODS:
@@ -198,11 +216,21 @@ class WorkerGroup:
             rank_args = per_rank_args[rank] if per_rank_args is not None else args
             sock.send_multipart(self.signer.dumps((call_id, method, rank_args, kwargs, output_rank)), copy=False)
         call = PendingCall(self, call_id, name, len(self.sockets),
-                           timeout if timeout is not None else self.reply_timeout_s, pick)
+                           timeout if timeout is not None else self.deadlines.timeout_for(tokens), pick, tokens)
         if not self.outstanding:
-            call.deadline = time.monotonic() + call.timeout_s
+            self._arm(call)
         self.outstanding[call_id] = call
         return call
+
+    def _arm(self, call: PendingCall) -> None:
+        """The call is the oldest in flight: its clock starts."""
+        call.armed_at = time.monotonic()
+        call.deadline = call.armed_at + call.timeout_s
+        if call.tokens is not None and self.deadlines.warm:
+            last = self.published_deadline
+            if last is None or abs(call.timeout_s - last) >= 0.2 * last:
+                self.published_deadline = call.timeout_s
+                self.on_deadline(call.timeout_s)
 
     def wait_once(self) -> None:
         """Receive what the workers have sent, waiting no later than the oldest call's deadline."""
@@ -260,9 +288,11 @@ class WorkerGroup:
             head = next(iter(self.outstanding.values()))
             if not head.complete:
                 if settled:  # the next call's clock starts now that the worker is free for it
-                    head.deadline = time.monotonic() + head.timeout_s
+                    self._arm(head)
                 return
             del self.outstanding[head.call_id]
+            if head.tokens is not None and not head.errors:
+                self.deadlines.observe(time.monotonic() - head.armed_at, head.tokens)
             head._settle()
             settled = True
 
@@ -294,24 +324,28 @@ class StepCalls:
         self.group = group
         self.output_rank = output_rank
         self._fused: PendingCall | None = None
+        self._tokens = 0  # the current step's scheduled tokens (sample_tokens belongs to it)
 
     def _value(self, fut: Future, non_block: bool) -> Any:
         return fut if non_block else fut.result()
 
     def rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None, non_block: bool = False,
-            single_value: bool = False, output_rank: int | None = None, timeout: float | None = None) -> Any:
+            single_value: bool = False, output_rank: int | None = None, timeout: float | None = None,
+            tokens: int | None = None) -> Any:
         fut = self.group.send(method, tuple(args), kwargs, output_rank=output_rank, timeout=timeout,
-                              pick=output_rank if single_value else None)
+                              pick=output_rank if single_value else None, tokens=tokens)
         return self._value(fut, non_block)
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        # The step's size sizes its deadline (step_deadline.py).
+        self._tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         if not getattr(scheduler_output, "has_structured_output_requests", True):
             self._fused = self.group.send(EXECUTE_AND_SAMPLE, (scheduler_output,), None,
-                                          output_rank=self.output_rank, pick=self.output_rank)
+                                          output_rank=self.output_rank, pick=self.output_rank, tokens=self._tokens)
             return self._value(self._fused, non_block)
         self._fused = None
         return self.rpc("execute_model", (scheduler_output,), non_block=non_block, single_value=True,
-                        output_rank=self.output_rank)
+                        output_rank=self.output_rank, tokens=self._tokens)
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         fused, self._fused = self._fused, None
@@ -320,7 +354,7 @@ class StepCalls:
                 raise RuntimeError("grammar output for a step that was sampled without one")
             return self._value(fused, non_block)
         return self.rpc("sample_tokens", (grammar_output,), non_block=non_block, single_value=True,
-                        output_rank=self.output_rank)
+                        output_rank=self.output_rank, tokens=self._tokens)
 
 
 def engine_batch_queue(engine: Any) -> Any:

@@ -4,7 +4,7 @@ Two ROUTER sockets (docs/operations.md, "Who may do what"):
 
 - ``control`` (0600): the daemon's own user — its children (``ChildReady``,
   ``GroupFrozen``, ``GroupDrained``, ``GroupHung``, ``GroupIdle``, ``GroupReleased``,
-  ``KeysApplied``, a gateway's ``WakeModel``) and the
+  ``StepDeadlineChanged``, ``KeysApplied``, a gateway's ``WakeModel``) and the
   owner's CLI (status, stop, restart, reload, load, unload, freezing). Root
   reaches it too. A peer of another uid (the kernel's ``SO_PEERCRED``, via
   libzmq's ``Peer-Address``) is refused anyway.
@@ -79,6 +79,7 @@ class ControlServer:
             P.GroupDrained: self.on_group_drained,
             P.GroupHung: self.on_group_hung,
             P.EngineFailed: self.on_engine_failed,
+            P.StepDeadlineChanged: self.on_step_deadline,
             P.KeysApplied: self.on_keys_applied,
             P.GroupIdle: self.on_group_idle,
             P.GroupReleased: self.on_group_released,
@@ -196,6 +197,12 @@ class ControlServer:
         if group is not None and caller.ident == engine_identity(msg.model):  # from that model's engine only
             group.on_engine_failed(msg.incarnation, msg.reason)
         self.reply(caller, P.Ack(ok=True))  # the engine exits once it has this
+
+    def on_step_deadline(self, caller: Caller, msg: P.StepDeadlineChanged) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None and caller.ident == engine_identity(msg.model) and msg.incarnation == group.incarnation:
+            group.step_deadline_s = msg.seconds
+            self.manager.on_step_deadline(group)
 
     def on_keys_applied(self, caller: Caller, msg: P.KeysApplied) -> None:
         name = parse_component(msg.component)

@@ -42,7 +42,7 @@ from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
                            rss_bytes, with_package_path)
 from servectl.wire import control as P
-from servectl.wire.spawn import MODEL, engine_identity, model_component
+from servectl.wire.spawn import MODEL, engine_component, engine_identity, model_component
 
 log = logging.getLogger("manager")
 
@@ -197,6 +197,12 @@ class Manager:
         notify(f"STATUS=model {group.name}: {group.state}")
         self.check_settled()
 
+    def on_step_deadline(self, group: EngineGroup) -> None:
+        """The engine's step deadline changed: an event (gateways find hangs by it; an operator sees it)."""
+        self.publish(P.Event(component=engine_component(group.name), kind=P.DEADLINE, model=group.name, state="armed",
+                             pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
+                             detail=f"{group.step_deadline_s:.3f}"))
+
     def publish(self, ev: P.Event) -> None:
         try:
             self.events.send(P.encoder.encode(ev), zmq.NOBLOCK)
@@ -237,7 +243,8 @@ class Manager:
             release_after_s=idle.after_s, release_mode=g.release_mode if idle.after_s > 0 else "",
             idle_since=g.idle_since, released_since=g.released_since,
             memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
-            device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s)
+            device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s,
+            step_deadline_s=g.step_deadline_s)
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:

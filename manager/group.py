@@ -132,6 +132,7 @@ class EngineGroup:
         self.reason: str | None = None
         self.incarnation = ""
         self.frozen = False  # as the engine last reported (GroupFrozen)
+        self.step_deadline_s: float | None = None  # as the engine last published it (StepDeadlineChanged)
         self.freezing = m.freeze_grace_s > 0
         self.restart_timer: asyncio.TimerHandle | None = None
         self.drained: asyncio.Future | None = None
@@ -210,6 +211,7 @@ class EngineGroup:
         self.restart_timer = None
         self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
+        self.step_deadline_s = None  # a new engine lifetime is cold until it publishes its own
         key = secrets.token_bytes(32)
         root = str(self.host.runtime_dir)
         engine_env, worker_env = self.member_envs()
@@ -225,7 +227,8 @@ class EngineGroup:
             model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
             freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
             worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
-            idle_release=idle.mode, sleep_level=idle.sleep_level), "servectl-engine-spec")
+            idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
+            step_deadline_floor_s=m.step_deadline_floor_s), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

@@ -92,8 +92,13 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     crash_loop_window_s: PositiveFloat = 120.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     stop_grace_s: PositiveFloat = 10.0
-    # Engine's wait for a worker reply; past it the group is hung.
+    # Engine's wait for a worker reply where a call may legitimately be slow (its first steps,
+    # a step larger than any seen, loading); past it the group is hung.
     worker_reply_timeout_s: PositiveFloat = 120.0
+    # Once warm, a step's deadline is this multiple of the recent 99th percentile of steps
+    # its size, never below the floor (engine_core/step_deadline.py).
+    step_deadline_multiple: PositiveFloat = 20.0
+    step_deadline_floor_s: PositiveFloat = 5.0
     # An idle engine freezes its workers after this long (0 disables).
     freeze_grace_s: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_FREEZE_GRACE_S
     # One interpreter per group member that has imported vLLM and waits for a

@@ -33,6 +33,9 @@ class FakeEngine:
     def __init__(self, ctx: zmq.asyncio.Context, path: str, rcvhwm: int | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # As the engine's: a gateway that reconnects under its identity (a new engine lifetime
+        # here is the same socket) takes the name over.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if rcvhwm is not None:
             self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self.sock.bind(f"ipc://{path}")

@@ -367,3 +367,51 @@ def test_structured_steps_are_two_calls_in_the_same_fifo(ctx, tmp_path, doubles)
     with pytest.raises(RuntimeError, match="grammar output for a step that was sampled without one"):
         calls.execute_model(step(2), non_block=True)
         calls.sample_tokens("bitmask", non_block=True)
+
+
+# ---- the step deadline: derived from the steps seen ---------------------------------------
+
+def test_step_deadline_is_generous_until_warm_and_for_what_it_has_not_seen():
+    from engine_core.step_deadline import StepDeadline
+
+    d = StepDeadline(generous_s=120, floor_s=5, multiple=20, warmup=4)
+    assert d.timeout_for(8) == 120 and not d.warm
+    for _ in range(8):
+        d.observe(0.01, 8)  # decode steps of 8 tokens, 10 ms
+    assert d.warm and d.timeout_for(8) == 5  # 20 x 10 ms is under the floor
+    assert d.timeout_for(1) == 5  # a size seen too rarely borrows the next larger one's times
+    assert d.timeout_for(64) == 5  # a larger one scales the largest seen by the tokens: 8 x 10 ms x 20
+    assert d.timeout_for(512) == 12.8  # 2^6 x 10 ms x 20
+    assert d.timeout_for(4096) == 102.4  # a long prefill: long (2^9 x 10 ms x 20)
+    assert d.timeout_for(1 << 15) == 120  # beyond the generous deadline: that one
+    assert d.timeout_for(None) == 120  # not a step (loading, sleep/wake)
+    for _ in range(8):
+        d.observe(1.0, 4000)  # a long prefill, once seen often enough, has its own times ...
+    assert d.timeout_for(3000) == 20
+    assert d.timeout_for(8) == 5  # ... and does not stretch the small steps'
+    for _ in range(100):
+        d.observe(0.5, 8)
+    assert d.timeout_for(8) == 10  # decode got slower (a loaded machine): its deadline follows
+    slow = StepDeadline(generous_s=30, floor_s=5, multiple=20, warmup=1)
+    for _ in range(8):
+        slow.observe(10.0, 8)
+    assert slow.timeout_for(8) == 30  # never beyond the generous deadline
+
+
+def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_it(ctx, tmp_path, doubles):
+    d = doubles("auto")
+    published = []
+    g = WorkerGroup(worker_paths=[str(tmp_path / "w0")], pidfds=[], signer=Signer(KEY), reply_timeout_s=60,
+                    distributed_init_method="unused", on_deadline=published.append, step_floor_s=0.3)
+    g.connect(ctx)
+    _GROUPS.append(g)
+    steps = StepCalls(g, 0)
+    for _ in range(16):  # warm-up: served at the generous deadline
+        steps.execute_model(SimpleNamespace(total_num_scheduled_tokens=4, has_structured_output_requests=False))
+    assert g.deadlines.warm and published == []
+    d.mode = "manual"  # the worker stops answering
+    t0 = time.monotonic()
+    with pytest.raises(WorkerHung, match="within 0.3s"):
+        steps.execute_model(SimpleNamespace(total_num_scheduled_tokens=4, has_structured_output_requests=False))
+    assert elapsed(t0) < 5  # not the generous 60 s
+    assert published == [0.3]

@@ -364,7 +364,8 @@ class FakeEngine:
 
 
 async def submit(link: EngineLink, sink: asyncio.Queue, *gens: EP.Generate, choices: int = 1) -> None:
-    await link.submit([(g.request_id, EP.encoder.encode(g)) for g in gens], choices, sink)
+    await link.submit([(g.request_id, EP.encoder.encode(g)) for g in gens], sink,
+                      {g.request_id: choices for g in gens})
 
 
 def with_engine(scenario):

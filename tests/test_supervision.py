@@ -146,15 +146,14 @@ def test_worker_sigkill_restarts_the_group_only(sup):
     before = pids(sup)
     restarts = {c.component: c.restarts for c in sup.status().children}
     client = sup.openai(timeout=300)
-    # An in-flight stream of model a, long enough to be cut, cut after its
-    # first token (a request with no output yet would be re-sent instead).
-    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True})
+    # An in-flight stream of model a, cut after its first token: it goes on on the
+    # restarted group (issue 14; tests/test_resume.py has the thorough version).
+    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 200, "ignore_eos": True,
+                                    "stream_options": {"include_usage": True}})
     os.kill(before["worker:a:0"], signal.SIGKILL)
-    body = stream.rest()
-    chunks = [line for line in body.splitlines() if line.startswith("data: ")]
-    assert chunks[-1] == "data: [DONE]"
-    err = json.loads(chunks[-2][6:])["error"]
-    assert (err["type"], err["code"]) == ("service_unavailable", "engine_unavailable"), err
+    events = json_lines(stream.rest())
+    assert not any("error" in e for e in events), events[-2:]
+    assert events[-1]["usage"]["completion_tokens"] == 200
 
     # A request sent while the group restarts is held, then served.
     r = client.completions.create(model="a", prompt="import ", max_tokens=5, extra_body={"ignore_eos": True})
@@ -230,12 +229,12 @@ def engine_unfinished(d: Daemon, model: str) -> int:
         sock.close()
 
 
-def test_engine_sigkill_non_stream_gets_503_with_retry_after(sup):
+def test_engine_sigkill_mid_requests_they_complete_on_the_restarted_group(sup):
     before = pids(sup)
     result = {}
 
     def call():
-        result["r"] = post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 480,
+        result["r"] = post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 200,
                                                     "ignore_eos": True})
 
     t = threading.Thread(target=call)
@@ -244,14 +243,13 @@ def test_engine_sigkill_non_stream_gets_503_with_retry_after(sup):
     # re-sent, not failed): it is in the engine, and a stream admitted after
     # it has its first token, so at least one step ran with it.
     wait_for(lambda: engine_unfinished(sup, "b") >= 1, 30, interval=0.05, what="the request to reach the engine")
-    companion = FirstTokenStream(sup, {"model": "b", "prompt": "x", "max_tokens": 480, "ignore_eos": True})
+    companion = FirstTokenStream(sup, {"model": "b", "prompt": "x", "max_tokens": 200, "ignore_eos": True})
     os.kill(before["engine_core:b"], signal.SIGKILL)
-    assert "error" in json_lines(companion.rest())[-1]
-    t.join(120)
+    assert not any("error" in e for e in json_lines(companion.rest()))
+    t.join(300)
     r = result["r"]
-    assert r.status == 503, r.body
-    assert r.headers["Retry-After"]
-    assert r.json()["error"]["type"] == "service_unavailable"
+    assert r.status == 200, r.body
+    assert r.json()["usage"]["completion_tokens"] == 200
     wait_for(lambda: model_state(sup, "b") == "ready", 180, interval=0.5, what="b to come back")
     after = pids(sup)
     assert after["worker:b:0"] != before["worker:b:0"]  # the group restarted as a unit
@@ -320,11 +318,11 @@ def test_dead_gateways_requests_are_aborted_in_the_engine(sup):
 def test_hung_worker_is_detected_and_the_group_restarted(sup):
     wait_for(lambda: model_state(sup, "a") == "ready", 120, what="a ready")
     before = pids(sup)
-    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 480, "ignore_eos": True})
+    stream = FirstTokenStream(sup, {"model": "a", "prompt": "def ", "max_tokens": 200, "ignore_eos": True})
     os.kill(before["worker:a:0"], signal.SIGSTOP)  # hung, not dead: only a deadline can tell
     body = stream.rest()
     assert body.rstrip().endswith("data: [DONE]")
-    assert any("error" in c for c in json_lines(body))
+    assert not any("error" in c for c in json_lines(body))  # it went on on the restarted group
     wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("worker:a:0").pid != before["worker:a:0"],
              180, interval=0.5, what="a restarted")
     assert not os.path.exists(f"/proc/{before['worker:a:0']}")

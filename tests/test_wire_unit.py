@@ -49,6 +49,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.GroupDrained: [CP.GroupDrained(model="m.1", incarnation="abc")],
     CP.GroupHung: [CP.GroupHung(model="m.1", incarnation="abc")],
     CP.EngineFailed: [CP.EngineFailed(model="m.1", incarnation="abc", reason="Cannot find any model weights")],
+    CP.StepDeadlineChanged: [CP.StepDeadlineChanged(model="m.1", incarnation="abc", seconds=5.0)],
     CP.KeysApplied: [CP.KeysApplied(component="gateway:1", pid=77)],
     CP.StatusRequest: [CP.StatusRequest()],
     CP.WaitSettled: [CP.WaitSettled()],
@@ -64,7 +65,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.ModelStatus: [CP.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1"),
                      known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
-                                  memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0)],
+                                  memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
+                                  step_deadline_s=5.0)],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
@@ -86,7 +88,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                             time=3.0, hold_timeout_s=300.0)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
-    EP.Generate: [EP.Generate(request_id="r1", kind="completion",
+    EP.Resume: [EP.Resume(index=1, token_ids=[4, 5], text_chars=3)],
+    EP.Generate: [known_fields(EP.Generate, request_id="r0", kind="completion", body={"prompt": "x"},
+                               resume=EP.Resume(index=1, token_ids=[4])),
+                  EP.Generate(request_id="r1", kind="completion",
                               body={"prompt": "def ", "temperature": 0.5, "n": 2, "echo": True}),
                   EP.Generate(request_id="r2", kind="completion", body={"prompt": [1, 2, 3]}),
                   EP.Generate(request_id="r3", kind="chat", body={"messages": [{"role": "user", "content": "hi"}],
@@ -121,9 +126,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0),
-                    known_fields(SP.EngineSpec, model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=True,
-                                 freeze_grace_s=1.0, worker_reply_timeout_s=3.0, idle_release_s=2.5,
-                                 idle_release="sleep", sleep_level=2)],
+                   known_fields(SP.EngineSpec, model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=True,
+                                freeze_grace_s=1.0, worker_reply_timeout_s=3.0, idle_release_s=2.5,
+                                idle_release="sleep", sleep_level=2, step_deadline_multiple=10.0,
+                                step_deadline_floor_s=2.0)],
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
                                     drain_timeout_s=5.0)],
@@ -199,7 +205,7 @@ def test_tagged_messages_round_trip_through_their_receivers_decoder(union):
             assert msgspec.msgpack.decode(data)["type"] == tag_of(cls)
 
 
-@pytest.mark.parametrize("cls", [CP.ChildStatus, CP.ModelStatus, CP.Event, EP.Delta])
+@pytest.mark.parametrize("cls", [CP.ChildStatus, CP.ModelStatus, CP.Event, EP.Delta, EP.Resume])
 def test_untagged_messages_round_trip(cls):
     for msg in SAMPLES[cls]:
         data = msgspec.msgpack.encode(msg)

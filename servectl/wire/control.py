@@ -90,6 +90,15 @@ class EngineFailed(_Msg, tag="engine_failed"):
 EXIT_PERMANENT = 78
 
 
+class StepDeadlineChanged(_Msg, tag="step_deadline"):
+    """The engine's deadline for a worker's reply to a step, derived from the steps it has
+    seen, changed (published once the engine is warm, then when it moves by a fifth)."""
+
+    model: str
+    incarnation: str
+    seconds: float
+
+
 class GroupHung(_Msg, tag="group_hung"):
     """A gateway saw no engine output for too long while requests were in flight."""
 
@@ -148,7 +157,7 @@ class WakeModel(_Msg, tag="wake"):
 
 
 ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
-                  KeysApplied,
+                  StepDeadlineChanged, KeysApplied,
                   StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
                   UnloadModel, WakeModel]
 
@@ -175,6 +184,7 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     frozen: bool
     incarnation: str
     reason: str | None = None
+    step_deadline_s: float | None = None  # as the engine last published it (None: not warm yet)
     # Idle release: after this long idle (0: never), how ("unload"/"sleep", as in force).
     release_after_s: float = 0.0
     release_mode: str = ""
@@ -262,6 +272,10 @@ ToEngine = Union[AbortPeer, FreezingControl, Drain, Release, Wake]
 
 
 # ---- events (PUB) ----------------------------------------------------------
+
+# Event.kind of an engine's published step deadline (detail: the seconds).
+DEADLINE = "deadline"
+
 
 class Event(msgspec.Struct, kw_only=True):
     component: str

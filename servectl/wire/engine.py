@@ -28,6 +28,22 @@ class Hello(_Msg, tag="hello"):
     version: int
 
 
+class Resume(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Continue one choice of a request on a new engine (its engine restarted mid-request).
+
+    The engine builds the request from ``body`` as usual, appends
+    ``token_ids`` to its prompt, asks for what is left of ``max_tokens`` /
+    ``min_tokens`` with n = 1, and sends deltas for choice ``index`` without
+    prompt information (the client has it). ``text_chars`` of the output's
+    text reached the client: the rest (held back while checking stop strings)
+    comes first, and a stop string spanning the seam still stops.
+    """
+
+    index: int = 0
+    token_ids: list[int] = []
+    text_chars: int = 0
+
+
 class Generate(_Msg, tag="generate"):
     """One engine request: the client's fields for vLLM's own request class.
 
@@ -41,6 +57,8 @@ class Generate(_Msg, tag="generate"):
     request_id: str
     kind: str
     body: dict[str, Any]
+    # Continue one choice of this request (its engine restarted mid-request).
+    resume: Resume | None = None
 
 
 class Abort(_Msg, tag="abort"):

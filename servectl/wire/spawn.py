@@ -46,6 +46,8 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     freezing: bool  # freeze idle workers (`servectl freeze` may change it at run time)
     freeze_grace_s: float  # after this long idle
     worker_reply_timeout_s: float
+    step_deadline_multiple: float = 20.0
+    step_deadline_floor_s: float = 5.0
     # Idle release (servectl.config.IdlePolicy): say GroupIdle after this long idle (0: never);
     # "sleep" builds the engine with vLLM's sleep mode where the platform has it.
     idle_release_s: float = 0.0
