@@ -42,16 +42,12 @@ import zmq
 
 from engine_core.load_errors import RemoteFailure, permanent_reason
 from engine_core.signing import BadSignature, Signer, read_key
+from engine_core.spin import WORKER_SPIN_ENV, spin_seconds
 from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
-# After a call, poll without blocking this long before sleeping in the kernel:
-# while a model serves, the next step's call comes within a fraction of a
-# millisecond, and catching it awake saves a wake-up per step. 0 turns it off.
-SPIN_ENV = "SERVECTL_WORKER_SPIN_US"
-DEFAULT_SPIN_US = 0
 _pair_ids = itertools.count()
 
 
@@ -182,7 +178,7 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(replies.pair, zmq.POLLIN)
-    spin_s = float(os.environ.get(SPIN_ENV, DEFAULT_SPIN_US)) / 1e6
+    spin_s = spin_seconds(WORKER_SPIN_ENV)
     spin_until = 0.0
     try:
         while True:

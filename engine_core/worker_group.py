@@ -48,6 +48,7 @@ from typing import Any
 import zmq
 
 from engine_core.signing import BadSignature, Signer
+from engine_core.spin import ENGINE_SPIN_ENV, spin_seconds
 from engine_core.step_deadline import StepDeadline
 
 log = logging.getLogger("engine_core.executor")
@@ -141,6 +142,9 @@ class WorkerGroup:
     on_deadline: Callable[[float], None] = lambda seconds: None
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
+    # Spin (poll without blocking) this long for a reply before blocking in the kernel:
+    # SERVECTL_ENGINE_SPIN_US (docs/performance.md); 0 blocks at once.
+    spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
     sockets: list[zmq.Socket] = field(default_factory=list)
     # Outstanding calls by id, oldest first.
@@ -237,10 +241,18 @@ class WorkerGroup:
         if not self.outstanding:
             raise RuntimeError("nothing is in flight")
         head = next(iter(self.outstanding.values()))
-        remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
-        # event-proof: a wait in the kernel for a worker's reply, bounded by the
-        # deadline of the oldest call in flight (armed only while one is).
-        ready = dict(self.poller.poll(remaining_ms))
+        ready: dict = {}
+        if self.spin_s:
+            end = time.perf_counter() + self.spin_s
+            while not ready and time.perf_counter() < end:
+                # event-proof: a bounded spin only while a call is in flight (its reply is due
+                # within a step); after spin_s it blocks below, and nothing spins while idle.
+                ready = dict(self.poller.poll(0))
+        if not ready:
+            remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
+            # event-proof: a wait in the kernel for a worker's reply, bounded by the
+            # deadline of the oldest call in flight (armed only while one is).
+            ready = dict(self.poller.poll(remaining_ms))
         if not ready:
             if time.monotonic() < head.deadline:
                 return  # woken early (a signal): wait again

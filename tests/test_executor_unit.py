@@ -415,3 +415,43 @@ def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_
         steps.execute_model(SimpleNamespace(total_num_scheduled_tokens=4, has_structured_output_requests=False))
     assert elapsed(t0) < 5  # not the generous 60 s
     assert published == [0.3]
+
+
+def test_spin_settings_are_microseconds_in_bounds_and_default_to_blocking():
+    from engine_core.spin import ENGINE_SPIN_ENV, MAX_US, WORKER_SPIN_ENV, spin_seconds
+
+    assert spin_seconds(ENGINE_SPIN_ENV, {}) == 0.0
+    assert spin_seconds(WORKER_SPIN_ENV, {WORKER_SPIN_ENV: "250"}) == pytest.approx(250e-6)
+    assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: " "}) == 0.0
+    for bad in ("-1", "abc", "nan", str(MAX_US * 2), "inf"):
+        assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: bad}) == 0.0, bad
+
+
+def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_after_it(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    g.spin_s = 0.5
+    polls: list[int | None] = []
+    real_poll = g.poller.poll
+
+    def counting_poll(timeout=None):
+        polls.append(timeout)
+        return real_poll(timeout)
+
+    g.poller.poll = counting_poll
+    a = g.send("execute_model", (1,), None)
+    (ida, _, _), = d.wait_calls(1)
+    d.reply_later(0.05, ida, "A")  # comes while the engine spins
+    assert a.result() == ["A"]
+    # Caught by non-blocking polls: no blocking wait was needed.
+    assert len(polls) > 1 and all(t == 0 for t in polls)
+    # A reply later than the spin: the spin ends within its bound and the wait blocks (with the deadline).
+    polls.clear()
+    g.spin_s = 0.05
+    b = g.send("execute_model", (2,), None)
+    idb = d.wait_calls(2)[1][0]
+    d.reply_later(0.3, idb, "B")
+    assert b.result() == ["B"]
+    blocking = [t for t in polls if t != 0]
+    assert len(blocking) >= 1 and blocking[0] > 1000  # the deadline's milliseconds, not a spin
+    assert not g.outstanding

@@ -1,0 +1,38 @@
+"""The hot path's bounded spins: how long the engine and a worker poll before blocking.
+
+Both ends of the engine ⇄ worker hop block in the kernel by default (a wake-up
+per message). A bounded spin right after work arrived trades CPU for that
+wake-up: the engine polls for a step's reply for up to
+``SERVECTL_ENGINE_SPIN_US`` µs before blocking, a worker polls for the next
+call for up to ``SERVECTL_WORKER_SPIN_US`` µs after answering one. Neither
+spins while nothing is in flight, so an idle tree stays asleep
+(docs/performance.md has the measurements behind the defaults).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENGINE_SPIN_ENV = "SERVECTL_ENGINE_SPIN_US"
+WORKER_SPIN_ENV = "SERVECTL_WORKER_SPIN_US"
+DEFAULTS_US = {ENGINE_SPIN_ENV: 0.0, WORKER_SPIN_ENV: 0.0}
+MAX_US = 100_000.0  # a tenth of a second: longer is no longer "right after work arrived"
+
+log = logging.getLogger("engine_core.spin")
+
+
+def spin_seconds(env: str, environ: dict[str, str] | None = None) -> float:
+    """The spin of ``env`` in seconds: its default when unset, 0 (with a warning) when not a
+    number of µs in [0, MAX_US]."""
+    raw = (os.environ if environ is None else environ).get(env)
+    if raw is None or raw.strip() == "":
+        return DEFAULTS_US[env] / 1e6
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= MAX_US:
+        log.warning("%s=%r is not a number of microseconds in [0, %d]: not spinning", env, raw, MAX_US)
+        return 0.0
+    return us / 1e6
