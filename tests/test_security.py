@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import secrets
 import shutil
 import signal
@@ -23,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from as_user import NOBODY, finish, run_as, start_as
 from conftest import DaemonFactory, http, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
 from servectl.proc import all_pids, environ_of, is_zombie
 
-NOBODY = 65534
 KEY = "sk-sec-" + secrets.token_hex(8)
 NEW_KEY = "sk-sec-new-" + secrets.token_hex(8)
 ENV_SECRET = "hf_sec_" + secrets.token_hex(8)
@@ -98,41 +97,11 @@ def logs_text(d) -> str:
 
 
 def start_as_nobody(fn, *args) -> tuple[int, int]:
-    """Fork a child that becomes ``nobody`` (groups: nogroup only) and runs ``fn(*args)``; returns its
-    pid and the read end its result comes on (``finish``). Everything ``fn`` needs must be imported."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                result = ("ok", fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                import traceback
-
-                result = ("raised", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            with os.fdopen(w, "wb") as out:
-                pickle.dump(result, out)
-        finally:
-            os._exit(0)
-    os.close(w)
-    return pid, r
-
-
-def finish(pid: int, r: int):
-    with os.fdopen(r, "rb") as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    kind, value = pickle.loads(data)
-    assert kind == "ok", f"as nobody: {value}"
-    return value
+    return start_as(NOBODY, fn, *args)
 
 
 def run_as_nobody(fn, *args):
-    return finish(*start_as_nobody(fn, *args))
+    return run_as(NOBODY, fn, *args)
 
 
 def as_system_dir(rt: Path) -> None:

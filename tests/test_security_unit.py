@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import stat
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from as_user import NOBODY, run_as
 from api_gateway.http_policy import CorsPolicy, HostPolicy, host_name, is_json_content_type
 from manager.audit import REDACTED, AuditLog, Peer, audit_line, audit_record, parse_peer_address
 from servectl import config as C
@@ -32,43 +32,11 @@ from servectl.wire import control as P
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-NOBODY = 65534
 
 
 def st(mode: int, uid: int = 0) -> os.stat_result:
     """A stat result with this st_mode and st_uid (the rest zero)."""
     return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
-
-
-def run_as(uid: int, fn, *args):
-    """Run ``fn(*args)`` in a forked child that has become ``uid`` (groups dropped); return its result
-    (or re-raise what it raised, as text). Everything it needs must be imported already."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                result = ("ok", fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                import traceback
-
-                result = ("raised", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            with os.fdopen(w, "wb") as out:
-                pickle.dump(result, out)
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    kind, value = pickle.loads(data)
-    if kind == "raised":
-        raise AssertionError(f"as uid {uid}: {value}")
-    return value
 
 
 @pytest.fixture
