@@ -183,6 +183,12 @@ class RequestRun:
         """
         link = self.link
         reply = await link.stats(timeout, request_ids=list(remaining))
+        if reply is None and link.output_timeout(self.cfg.output_timeout_s) > timeout:
+            # The engine published a longer deadline meanwhile: a step it knows may be slow
+            # (the first to need a sampler path vLLM compiles), so it is given that long.
+            log.info("model %s: no output for %gs, but its engine expects a slow step: waiting on",
+                     link.model, timeout)
+            return False
         if reply is None:
             log.error("model %s: no output for %gs and no answer to a probe: hung", link.model, timeout)
             self.report_hang(link)  # the manager restarts the group; our sink hears of it

@@ -11,13 +11,20 @@ a slow big step does not stretch the small ones'), never below ``floor_s``. The 
 stays where a step can legitimately be slow: the first ``warmup`` steps
 (compilation, caches), a step larger than any seen recently (a very long
 prefill, until one has been seen), and every call that is not a step (model
-loading, sleep/wake, profiling). Nothing of it runs while nothing is in
-flight: it is consulted when a call is sent and fed when it settles.
+loading, sleep/wake, profiling), and a step whose batch needs something of
+the sampler that no finished step has needed at that batch size (``StepKinds``):
+vLLM compiles parts of its sampler on first use (``torch.compile`` of the
+logprob ranks, of top-k/top-p; Triton or FlashInfer kernels on a GPU), and
+that first step takes seconds — a slow step, not a hung worker. Nothing of it
+runs while nothing is in flight: it is consulted when a call is sent and fed
+when it settles.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import Any
 
 WARMUP_STEPS = 16
 WINDOW = 256  # recent steps kept per bucket
@@ -34,14 +41,19 @@ class StepDeadline:
         self.steps = 0
         self.buckets: dict[int, deque[float]] = {}
         self._p99: dict[int, float] = {}  # cached per bucket, refreshed as samples come
+        self.kinds_seen: set[str] = set()  # StepKinds of the steps that finished
 
     @staticmethod
     def bucket(tokens: int) -> int:
         return max(0, int(tokens)).bit_length()
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """A step of ``tokens`` scheduled tokens took ``seconds`` (from its deadline's arming to its reply)."""
+    def observe(self, seconds: float, tokens: int, kinds: Iterable[str] = ()) -> None:
+        """A step of ``tokens`` scheduled tokens (needing ``kinds``) took ``seconds`` (from its
+        deadline's arming to its reply)."""
         self.steps += 1
+        if not self.kinds_seen.issuperset(kinds):
+            self.kinds_seen.update(kinds)
+            return  # a first-use step (compiling, maybe): not a sample of how long steps take
         b = self.bucket(tokens)
         window = self.buckets.setdefault(b, deque(maxlen=WINDOW))
         window.append(seconds)
@@ -49,10 +61,12 @@ class StepDeadline:
             ordered = sorted(window)
             self._p99[b] = ordered[min(len(ordered) - 1, int(PERCENTILE * len(ordered)))]
 
-    def timeout_for(self, tokens: int | None) -> float:
-        """The deadline for a call: a step of ``tokens`` tokens, or (None) any other call."""
+    def timeout_for(self, tokens: int | None, kinds: Iterable[str] = ()) -> float:
+        """The deadline for a call: a step of ``tokens`` tokens needing ``kinds``, or (None) any other call."""
         if tokens is None or self.steps < self.warmup:
             return self.generous_s
+        if not self.kinds_seen.issuperset(kinds):
+            return self.generous_s  # the first step that needs it may compile it
         estimate = self._estimate(self.bucket(tokens))
         if estimate is None:
             return self.generous_s
@@ -74,3 +88,59 @@ class StepDeadline:
     @property
     def warm(self) -> bool:
         return self.steps >= self.warmup
+
+
+def request_kinds(params: Any) -> frozenset[str]:
+    """What a request's sampling parameters (vLLM's ``SamplingParams``, read by attribute) need of
+    the sampler beyond greedy decoding: each may have a code path compiled on first use."""
+    if params is None:
+        return frozenset()
+    kinds = []
+    if getattr(params, "logprobs", None) is not None:
+        kinds.append("logprobs")
+    if getattr(params, "prompt_logprobs", None) is not None:
+        kinds.append("prompt_logprobs")
+    if (getattr(params, "temperature", 0.0) or 0.0) > 0:
+        kinds.append("random")
+    if (getattr(params, "top_k", 0) or 0) > 0 or (getattr(params, "top_p", 1.0) or 1.0) < 1.0:
+        kinds.append("top_k_top_p")
+    if (getattr(params, "min_p", 0.0) or 0.0) > 0:
+        kinds.append("min_p")
+    if (getattr(params, "presence_penalty", 0.0) or getattr(params, "frequency_penalty", 0.0)
+            or (getattr(params, "repetition_penalty", 1.0) or 1.0) != 1.0):
+        kinds.append("penalties")
+    for name in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "structured_outputs"):
+        if getattr(params, name, None):
+            kinds.append(name)
+    if getattr(params, "seed", None) is not None:
+        kinds.append("seed")
+    return frozenset(kinds)
+
+
+class StepKinds:
+    """What each step's batch needs of the sampler (``request_kinds`` of the requests the engine
+    holds), at its batch size class ("1" or "n": a compiled graph specialises on a batch of one).
+
+    Fed each step's ``SchedulerOutput`` (read by attribute): its new requests are added, the
+    requests it says finished are dropped, so the cost per step is that of its new and finished
+    requests, not of the batch.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[str, frozenset[str]] = {}
+        self.counts: Counter[str] = Counter()
+
+    def of(self, scheduler_output: Any) -> frozenset[str]:
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            kinds = self.live.pop(rid, None)
+            if kinds:
+                self.counts.subtract(kinds)
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            rid = getattr(new, "req_id", None)
+            kinds = request_kinds(getattr(new, "sampling_params", None))
+            if rid is None or not kinds or rid in self.live:
+                continue
+            self.live[rid] = kinds
+            self.counts.update(kinds)
+        size = "1" if len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()) == 1 else "n"
+        return frozenset(f"{k}@{size}" for k, n in self.counts.items() if n > 0)

@@ -49,7 +49,7 @@ import zmq
 
 from engine_core.signing import BadSignature, Signer
 from engine_core.spin import ENGINE_SPIN_ENV, spin_seconds
-from engine_core.step_deadline import StepDeadline
+from engine_core.step_deadline import StepDeadline, StepKinds
 
 log = logging.getLogger("engine_core.executor")
 
@@ -85,7 +85,7 @@ class PendingCall(Future):
     """
 
     def __init__(self, group: "WorkerGroup", call_id: int, method: str, ranks: int, timeout_s: float,
-                 pick: int | None, tokens: int | None = None):
+                 pick: int | None, tokens: int | None = None, kinds: frozenset[str] = frozenset()):
         super().__init__()
         self.group = group
         self.call_id = call_id
@@ -99,6 +99,7 @@ class PendingCall(Future):
         self.deadline: float | None = None  # armed when this call is the oldest outstanding
         self.armed_at = 0.0
         self.tokens = tokens  # a step's scheduled tokens; None for any other call
+        self.kinds = kinds  # what the step's batch needs of the sampler (step_deadline.StepKinds)
 
     @property
     def complete(self) -> bool:
@@ -205,10 +206,12 @@ class WorkerGroup:
 
     def send(self, method: str | bytes, args: tuple, kwargs: dict | None,
              per_rank_args: list[tuple] | None = None, output_rank: int | None = None,
-             timeout: float | None = None, pick: int | None = None, tokens: int | None = None) -> PendingCall:
+             timeout: float | None = None, pick: int | None = None, tokens: int | None = None,
+             kinds: frozenset[str] = frozenset()) -> PendingCall:
         """Send a call to every worker (all before any reply: TP calls are rendezvous).
 
-        ``tokens``: the step's scheduled tokens (a step call), which sizes its deadline."""
+        ``tokens`` and ``kinds``: the step's scheduled tokens and what its batch needs of the
+        sampler (a step call), which size its deadline."""
         self.thaw()
         name = method_name(method)
         if name in STEP_METHODS:
@@ -220,7 +223,8 @@ class WorkerGroup:
             rank_args = per_rank_args[rank] if per_rank_args is not None else args
             sock.send_multipart(self.signer.dumps((call_id, method, rank_args, kwargs, output_rank)), copy=False)
         call = PendingCall(self, call_id, name, len(self.sockets),
-                           timeout if timeout is not None else self.deadlines.timeout_for(tokens), pick, tokens)
+                           timeout if timeout is not None else self.deadlines.timeout_for(tokens, kinds), pick,
+                           tokens, kinds)
         if not self.outstanding:
             self._arm(call)
         self.outstanding[call_id] = call
@@ -304,7 +308,7 @@ class WorkerGroup:
                 return
             del self.outstanding[head.call_id]
             if head.tokens is not None and not head.errors:
-                self.deadlines.observe(time.monotonic() - head.armed_at, head.tokens)
+                self.deadlines.observe(time.monotonic() - head.armed_at, head.tokens, head.kinds)
             head._settle()
             settled = True
 
@@ -337,27 +341,31 @@ class StepCalls:
         self.output_rank = output_rank
         self._fused: PendingCall | None = None
         self._tokens = 0  # the current step's scheduled tokens (sample_tokens belongs to it)
+        self._kinds: frozenset[str] = frozenset()  # and what its batch needs of the sampler
+        self.step_kinds = StepKinds()
 
     def _value(self, fut: Future, non_block: bool) -> Any:
         return fut if non_block else fut.result()
 
     def rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None, non_block: bool = False,
             single_value: bool = False, output_rank: int | None = None, timeout: float | None = None,
-            tokens: int | None = None) -> Any:
+            tokens: int | None = None, kinds: frozenset[str] = frozenset()) -> Any:
         fut = self.group.send(method, tuple(args), kwargs, output_rank=output_rank, timeout=timeout,
-                              pick=output_rank if single_value else None, tokens=tokens)
+                              pick=output_rank if single_value else None, tokens=tokens, kinds=kinds)
         return self._value(fut, non_block)
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         # The step's size sizes its deadline (step_deadline.py).
         self._tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._kinds = self.step_kinds.of(scheduler_output)
         if not getattr(scheduler_output, "has_structured_output_requests", True):
             self._fused = self.group.send(EXECUTE_AND_SAMPLE, (scheduler_output,), None,
-                                          output_rank=self.output_rank, pick=self.output_rank, tokens=self._tokens)
+                                          output_rank=self.output_rank, pick=self.output_rank, tokens=self._tokens,
+                                          kinds=self._kinds)
             return self._value(self._fused, non_block)
         self._fused = None
         return self.rpc("execute_model", (scheduler_output,), non_block=non_block, single_value=True,
-                        output_rank=self.output_rank, tokens=self._tokens)
+                        output_rank=self.output_rank, tokens=self._tokens, kinds=self._kinds)
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         fused, self._fused = self._fused, None
@@ -366,7 +374,7 @@ class StepCalls:
                 raise RuntimeError("grammar output for a step that was sampled without one")
             return self._value(fused, non_block)
         return self.rpc("sample_tokens", (grammar_output,), non_block=non_block, single_value=True,
-                        output_rank=self.output_rank, tokens=self._tokens)
+                        output_rank=self.output_rank, tokens=self._tokens, kinds=self._kinds)
 
 
 def engine_batch_queue(engine: Any) -> Any:

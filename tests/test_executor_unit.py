@@ -455,3 +455,49 @@ def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_a
     blocking = [t for t in polls if t != 0]
     assert len(blocking) >= 1 and blocking[0] > 1000  # the deadline's milliseconds, not a spin
     assert not g.outstanding
+
+
+def test_a_step_that_needs_a_sampler_path_no_step_needed_yet_gets_the_generous_deadline():
+    """vLLM compiles parts of its sampler on first use (logprob ranks, top-k/top-p): seconds for
+    one step, which is not a hang (it was one, at the 5 s floor, before)."""
+    from engine_core.step_deadline import StepDeadline, StepKinds
+
+    def params(**kw):
+        base = dict(logprobs=None, prompt_logprobs=None, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                    presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None,
+                    allowed_token_ids=None, bad_words=[], min_tokens=0, structured_outputs=None, seed=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    def step(new=(), running=(), finished=()):
+        reqs = [SimpleNamespace(req_id=rid, sampling_params=p) for rid, p in new]
+        ids = [rid for rid, _ in new] + list(running)
+        return SimpleNamespace(scheduled_new_reqs=reqs, finished_req_ids=set(finished),
+                               num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=len(ids))
+
+    d = StepDeadline(generous_s=120, floor_s=5, multiple=20, warmup=4)
+    kinds = StepKinds()
+    k = kinds.of(step(new=[("a", params())]))
+    assert k == frozenset()  # greedy: nothing beyond the plain path
+    for _ in range(8):
+        d.observe(0.01, 1, k)
+    assert d.timeout_for(1, k) == 5
+    k = kinds.of(step(new=[("b", params(logprobs=1))], finished=["a"]))
+    assert k == {"logprobs@1"} and d.timeout_for(1, k) == 120  # its first time: may compile
+    d.observe(2.8, 1, k)
+    assert d.timeout_for(1, kinds.of(step(running=["b"]))) == 5  # seen now, and its 2.8 s is not a sample
+    # Another request joins the logprobs one: a batch of two has not needed logprobs yet (a graph
+    # compiled for one request specialises on it), even though the new request is greedy.
+    k = kinds.of(step(new=[("c", params())], running=["b"]))
+    assert k == {"logprobs@n"} and d.timeout_for(2, k) == 120
+    d.observe(1.0, 2, k)
+    k = kinds.of(step(running=["b", "c"]))
+    assert d.timeout_for(2, k) == 5
+    # Finished requests stop counting; every sampling option is a kind of its own.
+    assert kinds.of(step(running=["c"], finished=["b"])) == frozenset()
+    k = kinds.of(step(new=[("d", params(temperature=0.7, top_p=0.9, seed=3, presence_penalty=1.0,
+                                        logit_bias={"5": 1.0}, prompt_logprobs=0, min_p=0.1))], running=["c"]))
+    assert k == {f"{x}@n" for x in ("random", "top_k_top_p", "seed", "penalties", "logit_bias", "prompt_logprobs",
+                                    "min_p")}
+    assert d.timeout_for(2, k) == 120
+    assert kinds.of(SimpleNamespace()) == {f"{x}@n" for x in ("random", "top_k_top_p", "seed", "penalties",
+                                                               "logit_bias", "prompt_logprobs", "min_p")}

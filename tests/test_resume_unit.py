@@ -183,6 +183,28 @@ def test_a_hung_engine_is_reported_and_its_restart_continues_the_request():
     run(scenario, output_timeout_s=0.3)
 
 
+def test_a_slow_step_the_engine_announced_is_waited_for_not_reported_hung():
+    """The first step that needs a sampler path vLLM compiles takes seconds; the engine publishes
+    a longer deadline for it, and a probe it cannot answer meanwhile is not a hang."""
+    async def scenario(h):
+        await h.ready()
+        h.gw.manager.on_deadline("m", 0.1)  # warm: output timeout 2.1 s (under the cold 3 s)
+        client = asyncio.ensure_future(h.post("/v1/completions", BODY))
+        gen = await h.engine.recv()
+        await h.engine.step(delta(gen.request_id, "a", 1, first=True))
+        await asyncio.sleep(0.2)  # the request waits for its next output (2.1 s) ...
+        h.gw.manager.on_deadline("m", 60.0)  # ... when the engine arms a step with the generous deadline
+        probe = await h.engine.recv(timeout=10)
+        assert isinstance(probe, EP.Stats)  # unanswered: the engine waits for its worker
+        await asyncio.sleep(2.5)  # past the probe's own wait
+        assert h.hangs == []
+        await h.engine.step(delta(gen.request_id, "b", 2, finish="length"))
+        status, body = await asyncio.wait_for(client, 10)
+        assert status == 200 and body["choices"][0]["text"] == "ab" and h.hangs == []
+
+    run(scenario, output_timeout_s=3.0)
+
+
 def test_more_restarts_than_the_bound_fail_the_request():
     async def scenario(h):
         await h.ready()
