@@ -27,6 +27,7 @@ from typing import Protocol
 
 from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
+from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
 from servectl.wire import control as P
 from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
@@ -192,17 +193,17 @@ class EngineGroup:
         return True
 
     # ---- starting -------------------------------------------------------------------
-    def member_envs(self) -> tuple[dict[str, str], dict[str, str]]:
-        """The engine's and the workers' environments (their standbys get the same)."""
+    def member_envs(self) -> tuple[dict[str, str], list[dict[str, str]]]:
+        """The engine's environment and each rank's (their standbys get the same): a worker's
+        OpenMP threads and CPUs as vLLM's executor would choose them (worker_cpus.py)."""
         base = self.host.child_env(ENGINE_ENV | self.cfg.env)
         if self.cfg.devices is not None:
             base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
-        worker_env = dict(base)
-        if "OMP_NUM_THREADS" not in worker_env:  # the operator's word wins
-            worker_env.update(worker_threads(self.cfg.tensor_parallel_size, has_accelerator()))
+        worker_envs = [base | omp for omp in
+                       cpu_worker_envs(self.cfg.tensor_parallel_size, has_accelerator(), base)]
         engine_env = dict(base)
         engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
-        return engine_env, worker_env
+        return engine_env, worker_envs
 
     def start(self) -> None:
         """Workers first (the engine gets their pidfds), each with the group key on a pipe."""
@@ -214,11 +215,11 @@ class EngineGroup:
         self.step_deadline_s = None  # a new engine lifetime is cold until it publishes its own
         key = secrets.token_bytes(32)
         root = str(self.host.runtime_dir)
-        engine_env, worker_env = self.member_envs()
+        engine_env, worker_envs = self.member_envs()
         for rank, worker in enumerate(self.workers):
             self._launch(worker, "engine_core.worker",
                          ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
-                         [], key, worker_env)
+                         [], key, worker_envs[rank])
         m = self.host.settings
         idle = self.idle_policy
         self.release_mode = idle.mode
@@ -455,23 +456,6 @@ class EngineGroup:
 def has_accelerator() -> bool:
     """A GPU host (NVIDIA or AMD device nodes): workers compute there, not on the cores."""
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
-
-
-def worker_threads(tp: int, accelerator: bool, cpus: int | None = None) -> dict[str, str]:
-    """Workers' OpenMP threads, as vLLM's own executors choose them.
-
-    On CPU, vLLM's executor reserves one core per rank for the scheduling
-    process and gives each worker an equal share of the rest. Two workers'
-    threads on cores the engine also needs are what costs most here: an OpenMP
-    team whose thread is preempted waits at every barrier (measured: servectl
-    at concurrency 1 on 2 loaded cores did 24 tok/s with 2 threads, 143 with 1).
-    On a GPU host, vLLM sizes the pool for loading (cores / ranks) and marks
-    it as its own, so the worker drops to one thread once it serves.
-    """
-    cpus = cpus or len(os.sched_getaffinity(0))
-    if accelerator:
-        return {"OMP_NUM_THREADS": str(max(1, cpus // tp)), "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"}
-    return {"OMP_NUM_THREADS": str(max(1, (cpus - tp) // tp))}
 
 
 def key_pipe(key: bytes) -> int:

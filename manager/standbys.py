@@ -62,14 +62,16 @@ class StandbyPool:
             timer.cancel()  # called early (the group became ready): this call does its work
         if not self.host.settings.warm_standby or group.state != "ready" or self.host.shutting_down:
             return
-        engine_env, worker_env = group.member_envs()
+        engine_env, worker_envs = group.member_envs()
         for member in group.children:
             if member.component in self.waiting:
                 continue
             component = standby_component(member.component)
             standby = Standby(member, self.host.log_dir / log_file_name(component), self.host.on_child_change,
                               self.on_exit)
-            standby.spawn_standby(engine_env if member is group.engine else worker_env)
+            # A worker's standby loads torch, and with it OpenMP, for that rank: its rank's binding.
+            env = engine_env if member is group.engine else worker_envs[group.workers.index(member)]
+            standby.spawn_standby(env)
             self.waiting[member.component] = standby
             self.host.watch(standby)
             asyncio.get_running_loop().add_reader(standby.channel.fileno(), self._on_says, standby)
