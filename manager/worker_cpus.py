@@ -1,24 +1,28 @@
-"""Each worker's OpenMP threads and the CPUs they are bound to, as vLLM's own executor chooses them.
+"""Each worker's OpenMP threads, and the CPUs they are bound to when the operator asks.
 
-On a CPU host `vllm serve`'s executor (``vllm.utils.ompmultiprocessing.OMPProcessManager``
-with ``VLLM_CPU_OMP_THREADS_BIND=auto``, its default) gives rank N the CPUs of
-the N-th NUMA node, one logical CPU per physical core on x86, takes one CPU
-per rank back for the scheduling process (the last ranks' last CPUs first),
-and binds each worker's threads to what is left (``OMP_PLACES`` and
-``OMP_PROC_BIND``, or libgomp's / Intel OpenMP's own variables when one is
-preloaded). servectl launches its workers itself, so the manager makes the
-same choice here and hands each rank its environment; the OpenMP runtime
-reads it when torch loads, which in a warm standby is long before the rank
-is known, so each rank's standby gets its rank's environment too.
+The thread count is vLLM's: on a CPU host one core per rank is left to the
+scheduling process and each worker gets an equal share of the rest (on 2
+cores: one thread). On a GPU host vLLM sizes the pool for loading (cores /
+ranks) and marks it as its own, so the worker drops to one thread once it
+serves; nothing is bound there.
 
-Where vLLM refuses (more ranks than NUMA nodes), the node's CPUs are split
-into equal runs, one per rank, so TP = 2 on one node still works.
-``VLLM_CPU_OMP_THREADS_BIND`` in a model's env is honoured as vLLM honours it
-("nobind": a thread count only; "0-3|4-7": each rank's list), and a model's
-own ``OMP_NUM_THREADS`` wins over all of it.
+Binding follows a model's ``VLLM_CPU_OMP_THREADS_BIND`` as vLLM's executor
+(``vllm.utils.ompmultiprocessing.OMPProcessManager``) follows it: "auto"
+gives rank N the CPUs of the N-th NUMA node, one logical CPU per physical
+core on x86, takes one CPU per rank back for the scheduling process (the
+last ranks' last CPUs first) and binds each worker's threads to the rest
+(``OMP_PLACES`` and ``OMP_PROC_BIND``, or libgomp's / Intel OpenMP's own
+variables when one is preloaded); "0-3|4-7" is each rank's list. Where vLLM
+refuses (more ranks than NUMA nodes) the CPUs are split into equal runs, one
+per rank. Each rank's standby gets its rank's environment: OpenMP reads it
+when torch loads, long before the standby knows its rank.
 
-On a GPU host vLLM sizes the pool for loading (cores / ranks) and marks it as
-its own, so the worker drops to one thread once it serves; nothing is bound.
+Unlike `vllm serve` (whose default is "auto"), servectl's default is
+"nobind": in alternating rounds on a 2-core machine, binding the worker to
+core 0 as `vllm serve` does gained nothing (c=1 0.94–1.03×, c=16 0.82–1.12×
+of unbound; docs/performance.md), and a bound worker cannot move off a core
+another process keeps busy. A model's own ``OMP_NUM_THREADS`` wins over all
+of it.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def worker_envs(ranks: int, accelerator: bool, env: dict[str, str], cpus: list[C
     if accelerator:
         threads = str(max(1, len(cpus) // ranks))
         return [{"OMP_NUM_THREADS": threads, "VLLM_OMP_NUM_THREADS_SET_BY_VLLM": "1"} for _ in range(ranks)]
-    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if bind == "nobind":
         return [{"OMP_NUM_THREADS": str(max(1, (len(cpus) - ranks) // ranks))} for _ in range(ranks)]
     if bind == "auto":

@@ -254,38 +254,49 @@ def cpus(n: int, nodes: int = 1, smt: int = 1):
     return [Cpu(i, i // per_node, (0, (i % per_node) // smt + 1000 * (i // per_node))) for i in range(n)]
 
 
-def test_cpu_workers_are_bound_as_vllms_executor_binds_them():
+def test_cpu_workers_leave_one_core_per_rank_to_the_engine_and_float_by_default():
     from manager.worker_cpus import worker_envs
 
+    assert worker_envs(1, False, {}, cpus(2), "x86_64") == [{"OMP_NUM_THREADS": "1"}]
+    assert worker_envs(1, False, {}, cpus(16), "x86_64") == [{"OMP_NUM_THREADS": "15"}]
+    assert worker_envs(2, False, {}, cpus(16), "x86_64") == [{"OMP_NUM_THREADS": "7"}] * 2
+    assert worker_envs(2, False, {}, cpus(2), "x86_64") == [{"OMP_NUM_THREADS": "1"}] * 2
+
+
+def worker_envs_auto(ranks, env=None, cpu_list=None, machine="x86_64"):
+    from manager.worker_cpus import worker_envs
+
+    return worker_envs(ranks, False, {"VLLM_CPU_OMP_THREADS_BIND": "auto", **(env or {})}, cpu_list, machine)
+
+
+def test_auto_binding_binds_as_vllms_executor_binds():
     bind = {"OMP_PROC_BIND": "true"}
     # This machine: 2 cores, one node, TP 1: the worker gets core 0, the engine keeps core 1 (as vllm serve).
-    assert worker_envs(1, False, {}, cpus(2), "x86_64") == [{"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", **bind}]
-    assert worker_envs(1, False, {}, cpus(16), "x86_64") == [
+    assert worker_envs_auto(1, None, cpus(2), "x86_64") == [{"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", **bind}]
+    assert worker_envs_auto(1, None, cpus(16), "x86_64") == [
         {"OMP_NUM_THREADS": "15", "OMP_PLACES": "{" + ",".join(map(str, range(15))) + "}", **bind}]
     # Two nodes, TP 2: a node each, one CPU of each taken back for the engine (the last ones).
-    two = worker_envs(2, False, {}, cpus(16, nodes=2), "x86_64")
+    two = worker_envs_auto(2, None, cpus(16, nodes=2), "x86_64")
     assert [e["OMP_PLACES"] for e in two] == ["{0,1,2,3,4,5,6}", "{8,9,10,11,12,13,14}"]
     # One node, TP 2 (vLLM refuses): equal runs; on 2 cores nothing is left to take back.
-    assert [e["OMP_PLACES"] for e in worker_envs(2, False, {}, cpus(2), "x86_64")] == ["{0}", "{1}"]
+    assert [e["OMP_PLACES"] for e in worker_envs_auto(2, None, cpus(2), "x86_64")] == ["{0}", "{1}"]
     # x86 SMT: one logical CPU per physical core, the highest-numbered.
-    assert worker_envs(1, False, {}, cpus(8, smt=2), "x86_64")[0]["OMP_PLACES"] == "{1,3,5}"
-    assert worker_envs(1, False, {}, cpus(8, smt=2), "aarch64")[0]["OMP_PLACES"] == "{0,1,2,3,4,5,6}"
+    assert worker_envs_auto(1, None, cpus(8, smt=2), "x86_64")[0]["OMP_PLACES"] == "{1,3,5}"
+    assert worker_envs_auto(1, None, cpus(8, smt=2), "aarch64")[0]["OMP_PLACES"] == "{0,1,2,3,4,5,6}"
     # The OpenMP runtime that will load decides the variables.
-    assert worker_envs(1, False, {"LD_PRELOAD": "/x/libgomp.so.1"}, cpus(4), "x86_64") == [
+    assert worker_envs_auto(1, {"LD_PRELOAD": "/x/libgomp.so.1"}, cpus(4)) == [
         {"OMP_NUM_THREADS": "3", "GOMP_CPU_AFFINITY": "0 1 2"}]
-    iomp = worker_envs(1, False, {"LD_PRELOAD": "/x/libiomp5.so"}, cpus(4), "x86_64")[0]
+    iomp = worker_envs_auto(1, {"LD_PRELOAD": "/x/libiomp5.so"}, cpus(4))[0]
     assert iomp["KMP_AFFINITY"] == "granularity=fine,explicit,proclist=[0,1,2]" and iomp["OMP_NUM_THREADS"] == "3"
 
 
 def test_the_operators_binding_is_honoured_as_vllm_honours_it(caplog):
     from manager.worker_cpus import worker_envs
 
-    assert worker_envs(2, False, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, cpus(16), "x86_64") == [
-        {"OMP_NUM_THREADS": "7"}, {"OMP_NUM_THREADS": "7"}]
     explicit = worker_envs(2, False, {"VLLM_CPU_OMP_THREADS_BIND": "0-3|8,9"}, cpus(16), "x86_64")
     assert [(e["OMP_NUM_THREADS"], e["OMP_PLACES"]) for e in explicit] == [("4", "{0,1,2,3}"), ("2", "{8,9}")]
     # A list that does not fit the ranks: a warning naming it, and auto.
-    bad = worker_envs(2, False, {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, cpus(2), "x86_64")
+    bad = worker_envs(2, False, {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, cpus(2), "x86_64")  # binds as auto
     assert [e["OMP_PLACES"] for e in bad] == ["{0}", "{1}"]
     assert "VLLM_CPU_OMP_THREADS_BIND='0-3' is not 2 CPU list(s)" in caplog.text
     assert worker_envs(1, False, {"VLLM_CPU_OMP_THREADS_BIND": "x-y"}, cpus(2), "x86_64")[0]["OMP_PLACES"] == "{0}"
@@ -312,6 +323,15 @@ def test_the_operators_thread_count_wins(tmp_path):
     engine_env, worker_envs = group.member_envs()
     assert worker_envs[0]["OMP_NUM_THREADS"] == "3"
     assert "VLLM_OMP_NUM_THREADS_SET_BY_VLLM" not in worker_envs[0] and "OMP_PLACES" not in worker_envs[0]
+
+
+def test_each_rank_gets_its_own_binding(tmp_path):
+    host = HostDouble(tmp_path)
+    group = EngineGroup(C.ModelConfig(name="m", model="/x", tensor_parallel_size=2,
+                                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}), host)
+    engine_env, worker_envs = group.member_envs()
+    assert [e["OMP_PLACES"] for e in worker_envs] == ["{0}", "{1}"]
+    assert "OMP_PLACES" not in engine_env and engine_env["OMP_NUM_THREADS"] == "1"
 
 
 def test_a_removed_group_publishes_removed_and_can_never_start_again(tmp_path):
