@@ -3,6 +3,7 @@
     python -m bench.rounds                       # 3 rounds: A B A B A B, fresh servers each time
     python -m bench.rounds --rounds 5 --concurrency 1,16,64
     python -m bench.rounds --only servectl --env-b OMP_NUM_THREADS=2   # an A/B of servectl settings
+    python -m bench.rounds --only servectl --engine-arg-b async_scheduling=true
 
 One round starts a server, warms it up (a short run, not counted), drives it
 with vLLM's own serving benchmark at each concurrency (streaming), then with
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["servectl"], help="A/B two servectl settings instead of vllm serve")
     ap.add_argument("--env-a", action="append", default=[], metavar="K=V", help="model env of servectl A (--only)")
     ap.add_argument("--env-b", action="append", default=[], metavar="K=V", help="model env of servectl B")
+    ap.add_argument("--engine-arg-a", action="append", default=[], metavar="K=V",
+                    help="engine argument of servectl A (--only), a TOML value: async_scheduling=true")
+    ap.add_argument("--engine-arg-b", action="append", default=[], metavar="K=V", help="engine argument of servectl B")
     ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--tag", default="rounds")
@@ -118,17 +122,20 @@ def main(argv: list[str] | None = None) -> int:
 
         def make(name):
             env = parse_env(p.env_a if name == a else p.env_b)
-            return Servectl(work, env=env, label=name.replace(" ", "-"), warm_standby=standby)
+            args = parse_env(p.engine_arg_a if name == a else p.engine_arg_b)
+            return Servectl(work, env=env, label=name.replace(" ", "-"), warm_standby=standby, engine_args=args)
     else:
         a, b = "vllm serve", "servectl"
 
         def make(name):
-            return VllmServe(work) if name == a else Servectl(work, env=parse_env(p.env_b), warm_standby=standby)
+            return VllmServe(work) if name == a else Servectl(work, env=parse_env(p.env_b), warm_standby=standby,
+                                                              engine_args=parse_env(p.engine_arg_b))
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rounds": p.rounds,
                  "params": {"concurrency": concurrency, "prompts": p.prompts, "input_len": p.input_len,
                             "output_len": p.output_len, "non_stream_requests": p.non_stream_requests,
-                            "env_a": p.env_a, "env_b": p.env_b, "warm_standby": standby},
+                            "env_a": p.env_a, "env_b": p.env_b, "engine_args_a": p.engine_arg_a,
+                            "engine_args_b": p.engine_arg_b, "warm_standby": standby},
                  "raw": {a: [], b: []}}
     for i in range(p.rounds):
         for name in (a, b):

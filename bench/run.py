@@ -197,10 +197,12 @@ class VllmServe(Server):
 class Servectl(Server):
     name = "servectl"
 
-    def __init__(self, workdir: Path, env: dict | None = None, label: str = "servectl", warm_standby: bool = True):
+    def __init__(self, workdir: Path, env: dict | None = None, label: str = "servectl", warm_standby: bool = True,
+                 engine_args: dict | None = None):
         super().__init__(workdir)
         self.runtime = workdir / f"rt-{label}"
         self.extra_env = env or {}
+        self.extra_engine_args = engine_args or {}  # TOML values as written (true, 8, "x")
         self.name = label
         self.warm_standby = warm_standby
 
@@ -211,10 +213,12 @@ class Servectl(Server):
     def start(self) -> None:
         config = self.workdir / f"{self.name}.toml"
         env_lines = "".join(f'{k} = "{v}"\n' for k, v in self.extra_env.items())
+        arg_lines = "".join(f"{k} = {v}\n" for k, v in self.extra_engine_args.items())
         config.write_text(f'[manager]\nwarm_standby = {str(self.warm_standby).lower()}\n'
                           f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
                           f'[models.engine_args]\nenforce_eager = true\nkv_cache_memory_bytes = {KV_BYTES}\n'
-                          f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n' + (f"[models.env]\n{env_lines}" if env_lines else ""))
+                          f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n{arg_lines}'
+                          + (f"[models.env]\n{env_lines}" if env_lines else ""))
         self.launched = time.monotonic()
         # `servectl start` returns when ready; the clock runs from launch to first completion either way.
         self.proc = subprocess.Popen([sys.executable, "-m", "servectl.cli", "start", "--config", str(config),
