@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     bind_private(frontend, paths.engine(spec.model.name))
 
     def report_deadline(seconds: float) -> None:
-        log.info("step deadline now %.3gs (derived from the steps seen)", seconds)
+        why = ("the generous one: a step that may be slow, e.g. the first to need a sampler path"
+               if seconds >= spec.worker_reply_timeout_s else "derived from the steps seen")
+        log.info("step deadline now %.3gs (%s)", seconds, why)
         control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.model.name, incarnation=spec.incarnation,
                                                               seconds=seconds)))
 
