@@ -129,12 +129,14 @@ class StepKinds:
     def __init__(self) -> None:
         self.live: dict[str, frozenset[str]] = {}
         self.counts: Counter[str] = Counter()
+        self._by_size: dict[str, frozenset[str]] = {}  # the answer per size class, until the requests change
 
     def of(self, scheduler_output: Any) -> frozenset[str]:
         for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
             kinds = self.live.pop(rid, None)
             if kinds:
                 self.counts.subtract(kinds)
+                self._by_size.clear()
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             rid = getattr(new, "req_id", None)
             kinds = request_kinds(getattr(new, "sampling_params", None))
@@ -142,5 +144,9 @@ class StepKinds:
                 continue
             self.live[rid] = kinds
             self.counts.update(kinds)
+            self._by_size.clear()
         size = "1" if len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()) == 1 else "n"
-        return frozenset(f"{k}@{size}" for k, n in self.counts.items() if n > 0)
+        found = self._by_size.get(size)
+        if found is None:  # decode steps of the same requests reuse it: no work per token
+            found = self._by_size[size] = frozenset(f"{k}@{size}" for k, n in self.counts.items() if n > 0)
+        return found
