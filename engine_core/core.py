@@ -3,8 +3,11 @@
 Hosts vLLM's ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 with ``ZmqExecutor`` driving the group's manager-started workers. The loop is
 vLLM's own core-loop shape: when nothing is unfinished, block on the sockets;
-otherwise drain every pending message without blocking, ``step()`` once, and
-send each gateway all of the step's deltas in one message.
+otherwise drain every pending message without blocking, step once, and send
+each gateway all of the step's deltas in one message. A step's outputs are
+processed (detokenised, turned into deltas, sent) while the next step's model
+runs on the workers, as `vllm serve` does them beside its engine core
+(step_halves.py).
 
 Tokenisation, chat templates and detokenisation happen here, so gateways never
 import torch or vLLM. The process's start (sockets, the worker group, vLLM's
@@ -29,6 +32,7 @@ from engine_core.idle import IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.resume import continue_request, seed_detokenizer
+from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.worker_group import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
@@ -67,7 +71,7 @@ class EngineServer:
         return TokenizerEndpoints(self.builder)
 
     def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket,
-                 release_mode: str = "unload", device_memory=lambda: None):
+                 release_mode: str = "unload", device_memory=lambda: None, halves: StepHalves | WholeStep | None = None):
         self.spec = spec
         self.engine = engine
         self.group = group
@@ -98,6 +102,13 @@ class EngineServer:
         # even when no request is unfinished (one may have finished meanwhile).
         self.in_flight = engine_batch_queue(engine)
         group.on_freeze_change = self._report_freeze
+        # A step's core outputs, kept until the next step's model runs (step_halves.py):
+        # the group processes them while it waits for the workers' reply.
+        self.halves = halves if halves is not None else step_halves(engine)
+        self.kept: Any = None
+        self.steps = 0
+        self.overlapped_outputs = 0  # steps whose outputs were processed while a model step ran
+        group.while_waiting = self._process_kept_while_waiting
         self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
                            P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer,
                            P.MetricsRequest: self._on_metrics}
@@ -113,7 +124,8 @@ class EngineServer:
         # Keep stepping until vLLM's batch queue is empty, so workers never freeze under a batch.
         in_flight = self.in_flight
         while True:
-            busy = self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
+            busy = (self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
+                    or self.kept is not None)
             # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
             # transition (freeze, GroupIdle), or none at all once both have fired.
             timeout = 0 if busy else self._idle_timeout()
@@ -127,7 +139,7 @@ class EngineServer:
                 self._drain_control()
             if self.pending:
                 self._add_pending()
-            if self.engine.has_unfinished_requests() or in_flight:
+            if self.engine.has_unfinished_requests() or in_flight or self.kept is not None:
                 self._step()
                 self.idle_since = time.monotonic()
                 self.idle_since_wall = time.time()
@@ -368,14 +380,34 @@ class EngineServer:
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
+        """One engine-core step; the previous step's outputs are processed while its model runs."""
         try:
-            outputs = self.engine.step()
+            outputs = self.halves.core_step()  # waiting for the workers, the group calls _process_kept
+            self._process_kept()  # the step did not wait for the workers: nothing was scheduled
+            self.kept = outputs
+            self.steps += 1
+            if not self.halves.more_to_run():  # no model step follows to hide the processing behind
+                self._process_kept()
         except WorkerHung:
             raise
         except Exception as exc:  # a worker's error, or vLLM's: its state is unknown now
             raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _process_kept_while_waiting(self) -> None:
+        if self.kept is not None:
+            self.overlapped_outputs += 1
+            self._process_kept()
+
+    def counters(self) -> str:
+        return f"{self.steps} step(s), the outputs of {self.overlapped_outputs} processed while the next one ran"
+
+    def _process_kept(self) -> None:
+        """Process the kept core outputs (once: the group may call back again) and send the deltas."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return
         batches: dict[bytes, list[P.Delta]] = defaultdict(list)
-        for ro in outputs:
+        for ro in self.halves.process(kept):
             rid = ro.request_id
             peer, spec = self.owner.get(rid), self.specs.get(rid)
             if peer is None or spec is None:

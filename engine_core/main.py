@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
     # which is a SIGTERM from the manager: log, then die of it as before.
     def log_counters_and_die(signum, frame) -> None:
-        log.info("stopping: %s", group.counters())
+        log.info("stopping: %s; %s", group.counters(), server.counters())
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -141,6 +141,9 @@ class WorkerGroup:
     on_freeze_change: Callable[[bool], None] = lambda frozen: None
     # The step deadline, when it changed (by a fifth or more) once the engine is warm.
     on_deadline: Callable[[float], None] = lambda seconds: None
+    # Called before each wait for a reply: the engine processes the last step's outputs
+    # while the workers run this one (engine_core/step_halves.py).
+    while_waiting: Callable[[], None] = lambda: None
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
     # Spin (poll without blocking) this long for a reply before blocking in the kernel:
@@ -244,6 +247,7 @@ class WorkerGroup:
         """Receive what the workers have sent, waiting no later than the oldest call's deadline."""
         if not self.outstanding:
             raise RuntimeError("nothing is in flight")
+        self.while_waiting()
         head = next(iter(self.outstanding.values()))
         ready: dict = {}
         if self.spin_s:

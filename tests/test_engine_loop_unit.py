@@ -37,7 +37,10 @@ class Tokenizer:
 
 
 class Engine:
-    """LLMEngine's surface as the loop uses it; step() returns what the test queued."""
+    """LLMEngine's surface as the loop uses it; step() returns what the test queued.
+
+    A step that runs the model waits for the workers as the real one does: ``wait``
+    is the group's callback then (the engine's while_waiting)."""
 
     def __init__(self):
         self.model_config = SimpleNamespace(max_model_len=64)
@@ -46,6 +49,9 @@ class Engine:
         self.outputs: list = []
         self.fail_add: set[str] = set()
         self.fail_step = False
+        self.runs_model = True
+        self.wait = lambda: None
+        self.events: list[str] = []  # what happened, in order
 
     def get_tokenizer(self):
         return Tokenizer()
@@ -70,7 +76,29 @@ class Engine:
         if self.fail_step:
             raise RuntimeError("worker call execute_model failed: rank 0: CUDA error")
         out, self.outputs = self.outputs, []
+        if self.runs_model:
+            self.events.append("model starts")
+            self.wait()
+            self.events.append("model done")
         return out
+
+
+class Halves:
+    """StepHalves over the stand-in: the core step is its step(), processing passes outputs through."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.more = False  # whether the scheduler holds requests for another model step
+
+    def core_step(self):
+        return self.engine.step()
+
+    def more_to_run(self):
+        return self.more
+
+    def process(self, outputs):
+        self.engine.events.append("processed " + " ".join(o.request_id for o in outputs))
+        return outputs
 
 
 def output(rid: str, token: int, finished: bool = False, logprobs=None):
@@ -87,9 +115,12 @@ def server():
     spec = EngineSpec(model=ModelConfig(name="m", model="/m"), runtime_dir="/tmp", incarnation="inc",
                       freezing=False, freeze_grace_s=0, worker_reply_timeout_s=60)
     engine = Engine()
-    srv = EngineServer(spec, engine, SimpleNamespace(frozen=False, overlapped_steps=0), a, b)
+    group = SimpleNamespace(frozen=False, overlapped_steps=0)
+    srv = EngineServer(spec, engine, group, a, b, halves=Halves(engine))
+    engine.wait = lambda: group.while_waiting()
     srv.sent = []
-    srv._send = lambda peer, msg: srv.sent.append(msg)
+    srv._send = lambda peer, msg: (srv.sent.append(msg), engine.events.append(
+        "sent " + " ".join(f"{d.request_id}:{d.token_ids[-1] if d.token_ids else ''}" for d in getattr(msg, "deltas", []))))
     # vLLM's request building is not under test (tests/test_engine_requests.py has it).
     srv._build = lambda msg: Built(msg.body["prompt"], SimpleNamespace(), 0, None, OutputSpec(chat=False, logprobs=0))
     yield srv
@@ -175,3 +206,67 @@ def test_a_duplicate_id_is_refused_whether_added_or_waiting(server):
     server._add_pending()
     generate(server, "r1")
     assert len(server.sent) == 2 and list(server.engine.requests) == ["r1"]
+
+
+def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_model(server):
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    server.engine.outputs = [output("r1", 5)]
+    server._step()
+    assert server.sent == [] and server.kept is not None  # kept: the next step's model run hides it
+    server.engine.outputs = [output("r1", 6)]
+    server.engine.events.clear()
+    server._step()
+    assert server.engine.events == ["model starts", "processed r1", "sent r1:5", "model done"]
+    # The last step: nothing follows it, so its outputs go at once.
+    server.halves.more = False
+    server.engine.outputs = [output("r1", 7, finished=True)]
+    server.engine.events.clear()
+    server._step()
+    assert server.engine.events == ["model starts", "processed r1", "sent r1:6", "model done",
+                                    "processed r1", "sent r1:7"]
+    assert server.kept is None and server.owner == {}
+    assert (server.steps, server.overlapped_outputs) == (3, 2)
+    assert "3 step(s), the outputs of 2 processed while the next one ran" in server.counters()
+
+
+def test_kept_outputs_go_out_when_the_next_step_runs_no_model(server):
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    server.engine.outputs = [output("r1", 5, finished=True)]
+    server._step()
+    assert server.sent == []
+    # A client's abort emptied the scheduler meanwhile: the next step returns at once, without a wait.
+    server.engine.runs_model = False
+    server.halves.more = False
+    server._step()
+    assert [d.token_ids for d in server.sent[0].deltas] == [[5]] and server.kept is None
+
+
+def test_outputs_kept_for_a_request_aborted_meanwhile_are_dropped(server):
+    for rid in ("r1", "r2"):
+        generate(server, rid)
+    server._add_pending()
+    server.halves.more = True
+    server.engine.outputs = [output("r1", 5), output("r2", 6)]
+    server._step()
+    server._on_abort(PEER, P.Abort(request_ids=["r1"]))
+    server._step()
+    assert [d.request_id for d in server.sent[0].deltas] == ["r2"]
+
+
+def test_processing_that_fails_while_the_model_runs_is_a_failed_step(server):
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    server.engine.outputs = [output("r1", 5)]
+    server._step()
+
+    def broken(outputs):
+        raise RuntimeError("detokenizer state lost")
+
+    server.halves.process = broken
+    with pytest.raises(StepFailed, match="detokenizer state lost"):
+        server._step()

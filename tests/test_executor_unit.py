@@ -501,3 +501,18 @@ def test_a_step_that_needs_a_sampler_path_no_step_needed_yet_gets_the_generous_d
     assert d.timeout_for(2, k) == 120
     assert kinds.of(SimpleNamespace()) == {f"{x}@n" for x in ("random", "top_k_top_p", "seed", "penalties",
                                                                "logit_bias", "prompt_logprobs", "min_p")}
+
+
+def test_the_engine_works_while_the_group_waits_for_a_reply_and_never_while_idle(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    seen = []
+    g.while_waiting = lambda: seen.append(("waiting", len(g.outstanding), call.done()))
+    call = g.send("execute_model", (1,), None)
+    (cid, _, _), = d.wait_calls(1)
+    d.reply_later(0.05, cid, "A")
+    assert call.result() == ["A"]
+    # Called before the group blocked for the reply, with the call sent: the work overlaps the worker's.
+    assert seen and seen[0] == ("waiting", 1, False)
+    n = len(seen)
+    assert not g.outstanding and len(seen) == n  # nothing in flight: never called
