@@ -1,12 +1,15 @@
 """The hot path's bounded spins: how long the engine and a worker poll before blocking.
 
-Both ends of the engine ⇄ worker hop block in the kernel by default (a wake-up
-per message). A bounded spin right after work arrived trades CPU for that
-wake-up: the engine polls for a step's reply for up to
-``SERVECTL_ENGINE_SPIN_US`` µs before blocking, a worker polls for the next
-call for up to ``SERVECTL_WORKER_SPIN_US`` µs after answering one. Neither
-spins while nothing is in flight, so an idle tree stays asleep
-(docs/performance.md has the measurements behind the defaults).
+A message on the engine ⇄ worker hop wakes its receiver in the kernel. A
+bounded spin right after work arrived trades CPU for that wake-up: the engine
+polls for a step's reply for up to ``SERVECTL_ENGINE_SPIN_US`` µs (default
+5,000) before blocking, a worker polls for the next call for up to
+``SERVECTL_WORKER_SPIN_US`` µs (default 2,000) after answering one. Each
+empty poll yields the core (``sched_yield``, as the reader of vLLM's
+shared-memory ring does), so a spinner never keeps a core from the process
+that has work: without the yield, spinning lost 19–33 % on 2 cores; with it,
+it gained (docs/performance.md). Neither spins while nothing is in flight,
+so an idle tree stays asleep; 0 blocks at once.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 
 ENGINE_SPIN_ENV = "SERVECTL_ENGINE_SPIN_US"
 WORKER_SPIN_ENV = "SERVECTL_WORKER_SPIN_US"
-DEFAULTS_US = {ENGINE_SPIN_ENV: 0.0, WORKER_SPIN_ENV: 0.0}
+DEFAULTS_US = {ENGINE_SPIN_ENV: 5000.0, WORKER_SPIN_ENV: 2000.0}
 MAX_US = 100_000.0  # a tenth of a second: longer is no longer "right after work arrived"
 
 log = logging.getLogger("engine_core.spin")

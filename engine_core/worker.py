@@ -188,6 +188,7 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
                 # next poll blocks, so an idle worker never spins.
                 events = dict(poller.poll(0))
                 if not events:
+                    os.sched_yield()  # whatever else is runnable gets the core (as vLLM's shm ring reader)
                     continue
             else:
                 events = dict(poller.poll())  # idle: blocks in the kernel

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import time
 from collections import OrderedDict
@@ -147,7 +148,7 @@ class WorkerGroup:
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
     # Spin (poll without blocking) this long for a reply before blocking in the kernel:
-    # SERVECTL_ENGINE_SPIN_US (docs/performance.md); 0 blocks at once.
+    # SERVECTL_ENGINE_SPIN_US (engine_core/spin.py); 0 blocks at once.
     spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
     sockets: list[zmq.Socket] = field(default_factory=list)
@@ -256,6 +257,8 @@ class WorkerGroup:
                 # event-proof: a bounded spin only while a call is in flight (its reply is due
                 # within a step); after spin_s it blocks below, and nothing spins while idle.
                 ready = dict(self.poller.poll(0))
+                if not ready:
+                    os.sched_yield()  # whatever else is runnable gets the core (as vLLM's shm ring reader)
         if not ready:
             remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
             # event-proof: a wait in the kernel for a worker's reply, bounded by the

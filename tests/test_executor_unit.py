@@ -417,12 +417,14 @@ def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_
     assert published == [0.3]
 
 
-def test_spin_settings_are_microseconds_in_bounds_and_default_to_blocking():
+def test_spin_settings_are_microseconds_in_bounds_with_short_defaults():
     from engine_core.spin import ENGINE_SPIN_ENV, MAX_US, WORKER_SPIN_ENV, spin_seconds
 
-    assert spin_seconds(ENGINE_SPIN_ENV, {}) == 0.0
+    assert spin_seconds(ENGINE_SPIN_ENV, {}) == pytest.approx(5e-3)
+    assert spin_seconds(WORKER_SPIN_ENV, {}) == pytest.approx(2e-3)
+    assert spin_seconds(WORKER_SPIN_ENV, {WORKER_SPIN_ENV: "0"}) == 0.0
     assert spin_seconds(WORKER_SPIN_ENV, {WORKER_SPIN_ENV: "250"}) == pytest.approx(250e-6)
-    assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: " "}) == 0.0
+    assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: " "}) == pytest.approx(5e-3)  # blank: the default
     for bad in ("-1", "abc", "nan", str(MAX_US * 2), "inf"):
         assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: bad}) == 0.0, bad
 
