@@ -4,7 +4,8 @@ Hosts vLLM's ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 with ``ZmqExecutor`` driving the group's manager-started workers. The loop is
 vLLM's own core-loop shape: when nothing is unfinished, block on the sockets;
 otherwise drain every pending message without blocking, step once, and send
-each gateway all of the step's deltas in one message. A step's outputs are
+each gateway all of the step's deltas in one message (a non-streaming
+request's after its first are held and merged: coalesce.py). A step's outputs are
 processed (detokenised, turned into deltas, sent) while the next step's model
 runs on the workers, as `vllm serve` does them beside its engine core
 (step_halves.py).
@@ -28,6 +29,7 @@ import msgspec
 import zmq
 
 from engine_core import metrics as engine_metrics
+from engine_core.coalesce import HeldOutput
 from engine_core.idle import IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
@@ -90,6 +92,7 @@ class EngineServer:
         # Resumed requests: the choice each continues (engine_core/resume.py).
         self.resumed: dict[str, int] = {}
         self.outputs = OutputFormatter(self.tokenizer)
+        self.held = HeldOutput()  # non-streaming requests' output, sent in a few messages (coalesce.py)
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
@@ -347,6 +350,7 @@ class EngineServer:
             return
         self.owner[rid] = peer
         self.by_peer[peer].add(rid)
+        built.spec.whole = not msg.body.get("stream")
         self.specs[rid] = built.spec
 
     def _drop(self, rid: str) -> None:
@@ -377,6 +381,7 @@ class EngineServer:
                 del self.by_peer[peer]
         self.specs.pop(rid, None)
         self.resumed.pop(rid, None)
+        self.held.drop(rid)
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
@@ -407,17 +412,21 @@ class EngineServer:
         if kept is None:
             return
         batches: dict[bytes, list[P.Delta]] = defaultdict(list)
+        now = time.monotonic()
         for ro in self.halves.process(kept):
             rid = ro.request_id
             peer, spec = self.owner.get(rid), self.specs.get(rid)
             if peer is None or spec is None:
                 continue  # aborted meanwhile
             try:
-                deltas = self.outputs.deltas(ro, spec, first=not spec.started)
+                first = not spec.started
+                deltas = self.outputs.deltas(ro, spec, first=first)
                 spec.started = True
                 if rid in self.resumed:  # the choice it continues; the client had its prompt already
                     for d in deltas:
                         d.index, d.prompt = self.resumed[rid], None
+                if spec.whole and not first:  # the first goes at once: it times the first token
+                    deltas = self.held.take(rid, deltas, ro.finished, now)
                 batches[peer].extend(deltas)
             except Exception as exc:  # this request's output only: it fails, the others go on
                 log.exception("building the output of request %s", rid)
@@ -426,7 +435,8 @@ class EngineServer:
             if ro.finished:
                 self._forget(rid)
         for peer, deltas in batches.items():
-            self._send(peer, P.StepOutput(incarnation=self.spec.incarnation, deltas=deltas))
+            if deltas:  # (all of a gateway's may be held)
+                self._send(peer, P.StepOutput(incarnation=self.spec.incarnation, deltas=deltas))
 
     def _fail(self, peer: bytes, rid: str, message: str) -> None:
         self._drop(rid)

@@ -80,6 +80,7 @@ class OutputSpec:
     echo_text: str | None = None  # chat echo: the last message's content (if it is the answer's role)
     return_prompt_text: bool = False
     started: bool = False  # the request's first output (which carries its prompt) went out
+    whole: bool = False  # not streamed: output after the first is held and merged (coalesce.py)
 
 
 @dataclass

@@ -129,8 +129,8 @@ def server():
     ctx.term()
 
 
-def generate(srv, rid: str) -> None:
-    srv._on_generate(PEER, P.Generate(request_id=rid, kind="completion", body={"prompt": "hi"}))
+def generate(srv, rid: str, stream: bool = True) -> None:
+    srv._on_generate(PEER, P.Generate(request_id=rid, kind="completion", body={"prompt": "hi", "stream": stream}))
 
 
 def test_a_request_vllm_refuses_halfway_is_dropped_from_vllm_and_answered(server):
@@ -270,3 +270,49 @@ def test_processing_that_fails_while_the_model_runs_is_a_failed_step(server):
     server.halves.process = broken
     with pytest.raises(StepFailed, match="detokenizer state lost"):
         server._step()
+
+
+def test_a_non_streaming_requests_output_goes_first_token_at_once_then_merged(server, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
+    generate(server, "whole", stream=False)
+    generate(server, "streamed")
+    server._add_pending()
+
+    def step(*outs):
+        server.sent.clear()
+        server.engine.outputs = list(outs)
+        server._step()
+        return [(x.request_id, x.token_ids) for m in server.sent for x in m.deltas]
+
+    # The first token of each goes at once (it times the first token, carries the prompt).
+    assert step(output("whole", 1), output("streamed", 1)) == [("whole", [1]), ("streamed", [1])]
+    # Then the streamed one every step, the whole one held ...
+    assert step(output("whole", 2), output("streamed", 2)) == [("streamed", [2])]
+    clock[0] += 0.1
+    assert step(output("whole", 3)) == []
+    # ... until it finishes: one merged delta with everything held.
+    assert step(output("whole", 4, finished=True)) == [("whole", [2, 3, 4])]
+    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and "whole" not in server.owner
+    assert len(server.held) == 0
+
+
+def test_a_long_non_streaming_request_reaches_its_gateway_every_hold_time(server, monkeypatch):
+    from engine_core.coalesce import HOLD_S
+
+    clock = [100.0]
+    monkeypatch.setattr(core.time, "monotonic", lambda: clock[0])
+    generate(server, "whole", stream=False)
+    server._add_pending()
+    sent_tokens = []
+    for token in range(1, 41):
+        server.sent.clear()
+        server.engine.outputs = [output("whole", token)]
+        server._step()
+        sent_tokens += [t for m in server.sent for x in m.deltas for t in x.token_ids]
+        clock[0] += HOLD_S / 10
+    # Everything older than the hold time is with the gateway (what a crash could lose is bounded).
+    assert sent_tokens == list(range(1, len(sent_tokens) + 1)) and len(sent_tokens) >= 40 - 10
+    # Aborted: what was held is dropped with it.
+    server._on_abort(PEER, P.Abort(request_ids=["whole"]))
+    assert len(server.held) == 0
