@@ -42,8 +42,9 @@ def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path)
         for c in concurrency:
             r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work)
             out["stream"][str(c)] = {k: r.get(k) for k in FIGURES}
-        ns = asyncio.run(non_stream_load(server.base, 16, p.non_stream_requests, p.output_len))
-        out["non_stream_c16"] = {**ns, "tok_s": round(ns["ok"] * p.output_len / ns["seconds"], 1)}
+        if p.non_stream_requests > 0:  # 0: streaming cells only
+            ns = asyncio.run(non_stream_load(server.base, 16, p.non_stream_requests, p.output_len))
+            out["non_stream_c16"] = {**ns, "tok_s": round(ns["ok"] * p.output_len / ns["seconds"], 1)}
         return out
     finally:
         server.stop()
@@ -62,8 +63,9 @@ def summarize(rounds: list[dict]) -> dict:
             if vals:
                 out["stream"][c][k] = {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3),
                                        "max": round(max(vals), 3)}
-    vals = [r["non_stream_c16"]["tok_s"] for r in ok]
-    out["non_stream_c16_tok_s"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    vals = [r["non_stream_c16"]["tok_s"] for r in ok if "non_stream_c16" in r]
+    if vals:
+        out["non_stream_c16_tok_s"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     return out
 
 

@@ -41,6 +41,7 @@ class StepDeadline:
         self.steps = 0
         self.buckets: dict[int, deque[float]] = {}
         self._p99: dict[int, float] = {}  # cached per bucket, refreshed as samples come
+        self._p10: dict[int, float] = {}  # the early end of the same: when a reply starts to be due
         self.kinds_seen: set[str] = set()  # StepKinds of the steps that finished
 
     @staticmethod
@@ -60,6 +61,7 @@ class StepDeadline:
         if len(window) < 32 or len(window) % 8 == 0:  # a sort of <= 256 floats now and then
             ordered = sorted(window)
             self._p99[b] = ordered[min(len(ordered) - 1, int(PERCENTILE * len(ordered)))]
+            self._p10[b] = ordered[int(0.1 * len(ordered))]
 
     def timeout_for(self, tokens: int | None, kinds: Iterable[str] = ()) -> float:
         """The deadline for a call: a step of ``tokens`` tokens needing ``kinds``, or (None) any other call."""
@@ -71,6 +73,15 @@ class StepDeadline:
         if estimate is None:
             return self.generous_s
         return min(self.generous_s, max(self.floor_s, self.multiple * estimate))
+
+    def earliest(self, tokens: int) -> float | None:
+        """How soon a step of ``tokens`` tokens usually answers (the 10th percentile of its size's
+        recent steps), or None while that size has too few samples: when spinning for it can start."""
+        b = self.bucket(tokens)
+        window = self.buckets.get(b)
+        if window is None or len(window) < MIN_SAMPLES:
+            return None
+        return self._p10.get(b)
 
     def _estimate(self, b: int) -> float | None:
         """The 99th percentile of a step in bucket ``b``, from the buckets seen often enough."""

@@ -251,11 +251,17 @@ class WorkerGroup:
         self.while_waiting()
         head = next(iter(self.outstanding.values()))
         ready: dict = {}
-        if self.spin_s:
-            end = time.perf_counter() + self.spin_s
-            while not ready and time.perf_counter() < end:
+        spin_from = self._spin_from(head)
+        if spin_from is not None:
+            now = time.monotonic()
+            if now < spin_from:
+                # event-proof: a wait in the kernel until the reply is due, while a call is in flight;
+                # the spin below starts then (a long step is not spun through from its start).
+                ready = dict(self.poller.poll(int((min(spin_from, head.deadline) - now) * 1000)))
+            end = time.monotonic() + self.spin_s
+            while not ready and time.monotonic() < end:
                 # event-proof: a bounded spin only while a call is in flight (its reply is due
-                # within a step); after spin_s it blocks below, and nothing spins while idle.
+                # now); after spin_s it blocks below, and nothing spins while idle.
                 ready = dict(self.poller.poll(0))
                 if not ready:
                     os.sched_yield()  # whatever else is runnable gets the core (as vLLM's shm ring reader)
@@ -277,6 +283,22 @@ class WorkerGroup:
                     break
                 self._on_reply(rank, frames)
         self._settle_in_order()
+
+    def _spin_from(self, head: PendingCall) -> float | None:
+        """When to start spinning for ``head``'s reply (monotonic), or None: no spin.
+
+        A step whose size has a history is spun for from a little before its usual earliest
+        reply (half the spin ahead of the 10th percentile): a short step from about its start,
+        a long one (a big batch, a GPU's larger model) only around its end. Other calls, and
+        steps of a size not seen often yet, from now."""
+        if not self.spin_s:
+            return None
+        if head.tokens is None:
+            return time.monotonic()
+        earliest = self.deadlines.earliest(head.tokens)
+        if earliest is None:
+            return time.monotonic()
+        return head.armed_at + max(0.0, earliest - self.spin_s / 2)
 
     def _hung(self, head: PendingCall) -> None:
         exc = WorkerHung(f"worker rank(s) {sorted(head.waiting)} gave no reply to {head.method} "

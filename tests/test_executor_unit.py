@@ -518,3 +518,34 @@ def test_the_engine_works_while_the_group_waits_for_a_reply_and_never_while_idle
     assert seen and seen[0] == ("waiting", 1, False)
     n = len(seen)
     assert not g.outstanding and len(seen) == n  # nothing in flight: never called
+
+
+def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, doubles):
+    """A step whose size usually takes 0.3 s: the engine sleeps in the kernel until shortly before
+    that, then spins (a spin from the start would burn the whole step on a core)."""
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    g.spin_s = 0.1
+    for _ in range(20):
+        g.deadlines.observe(0.3, tokens=64)
+    assert g.deadlines.earliest(64) == pytest.approx(0.3) and g.deadlines.earliest(1) is None
+    polls: list[int | None] = []
+    real_poll = g.poller.poll
+
+    def counting_poll(timeout=None):
+        polls.append(timeout)
+        return real_poll(timeout)
+
+    g.poller.poll = counting_poll
+    call = g.send("execute_model", (1,), None, tokens=64)
+    (cid, _, _), = d.wait_calls(1)
+    d.reply_later(0.28, cid, "A")
+    assert call.result() == ["A"]
+    # One sleep until 0.25 s (the usual end less half the spin), then non-blocking polls only.
+    assert 200 <= polls[0] <= 250 and len(polls) > 2 and all(t == 0 for t in polls[1:])
+    # A size not seen yet is spun for from its start, as any other call.
+    polls.clear()
+    call = g.send("execute_model", (2,), None, tokens=1)
+    cid = d.wait_calls(2)[1][0]
+    d.reply_later(0.02, cid, "B")
+    assert call.result() == ["B"] and all(t == 0 for t in polls)
