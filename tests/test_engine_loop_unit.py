@@ -208,12 +208,17 @@ def test_a_duplicate_id_is_refused_whether_added_or_waiting(server):
     assert len(server.sent) == 2 and list(server.engine.requests) == ["r1"]
 
 
-def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_model(server):
+def step_kept(server) -> None:
+    """Request r1 added and stepped once (token 5) while more steps follow: its output is kept."""
     generate(server, "r1")
     server._add_pending()
     server.halves.more = True
     server.engine.outputs = [output("r1", 5)]
     server._step()
+
+
+def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_model(server):
+    step_kept(server)
     assert server.sent == [] and server.kept is not None  # kept: the next step's model run hides it
     server.engine.outputs = [output("r1", 6)]
     server.engine.events.clear()
@@ -258,11 +263,7 @@ def test_outputs_kept_for_a_request_aborted_meanwhile_are_dropped(server):
 
 
 def test_processing_that_fails_while_the_model_runs_is_a_failed_step(server):
-    generate(server, "r1")
-    server._add_pending()
-    server.halves.more = True
-    server.engine.outputs = [output("r1", 5)]
-    server._step()
+    step_kept(server)
 
     def broken(outputs):
         raise RuntimeError("detokenizer state lost")

@@ -429,10 +429,8 @@ def test_spin_settings_are_microseconds_in_bounds_with_short_defaults():
         assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: bad}) == 0.0, bad
 
 
-def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_after_it(ctx, tmp_path, doubles):
-    d = doubles("manual")
-    g = make_group(ctx, tmp_path)
-    g.spin_s = 0.5
+def record_polls(g: WorkerGroup) -> list[int | None]:
+    """The timeouts of the group's polls from now on (0: a spin's non-blocking poll)."""
     polls: list[int | None] = []
     real_poll = g.poller.poll
 
@@ -441,6 +439,14 @@ def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_a
         return real_poll(timeout)
 
     g.poller.poll = counting_poll
+    return polls
+
+
+def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_after_it(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    g.spin_s = 0.5
+    polls = record_polls(g)
     a = g.send("execute_model", (1,), None)
     (ida, _, _), = d.wait_calls(1)
     d.reply_later(0.05, ida, "A")  # comes while the engine spins
@@ -529,14 +535,7 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
     for _ in range(20):
         g.deadlines.observe(0.3, tokens=64)
     assert g.deadlines.earliest(64) == pytest.approx(0.3) and g.deadlines.earliest(1) is None
-    polls: list[int | None] = []
-    real_poll = g.poller.poll
-
-    def counting_poll(timeout=None):
-        polls.append(timeout)
-        return real_poll(timeout)
-
-    g.poller.poll = counting_poll
+    polls = record_polls(g)
     call = g.send("execute_model", (1,), None, tokens=64)
     (cid, _, _), = d.wait_calls(1)
     d.reply_later(0.28, cid, "A")
