@@ -22,7 +22,13 @@ computes one token more for it, which is dropped (``update_from_output``
 skips a request finished meanwhile, the output processor one it no longer
 tracks). Outputs are processed exactly once, in step order; a request
 finished by its length or EOS is known to the scheduler at once and costs
-nothing extra.
+nothing extra. The aborts that processing makes (stop strings, an output
+that failed to build) reach the scheduler while the worker runs the next
+step, where vLLM's engine core applies the aborts that came in meanwhile
+between the model's return and ``update_from_output``
+(``EngineCore._process_aborts_queue``): the scheduler sees the same state
+either way, and the KV blocks a finished request frees are reused only by
+the next ``schedule()``, after this step.
 """
 
 from __future__ import annotations
