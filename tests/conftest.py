@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -404,8 +405,14 @@ def context_switches(pids: list[int]) -> int:
     return total
 
 
+def sse_lines(text: str) -> list[str]:
+    """An event stream's lines, split as the SSE spec says (CR, LF, CRLF) — not str.splitlines(),
+    which also splits at U+2028 and other characters a JSON string may hold unescaped."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
 def json_lines(text: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    return [json.loads(line[6:]) for line in sse_lines(text) if line.startswith("data: {")]
 
 
 # ---- the unit tier loads no vLLM or torch ---------------------------------------------

@@ -9,7 +9,6 @@ the choice's index; prompts with no output yet go again as they were.
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 
 import msgspec
@@ -17,6 +16,7 @@ import pytest
 
 from api_gateway.resume import Choice, CannotContinue, plan, why_not_exact
 from engine_core.resume import ResumeError, continue_request, continued_params
+from conftest import json_lines
 from gateway_harness import run
 from servectl.wire import engine as EP
 
@@ -32,7 +32,7 @@ def delta(rid: str, text: str, token: int, index: int = 0, finish: str | None = 
 
 
 def events(body: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    return json_lines(body)
 
 
 async def crash_and_return(h, incarnation: str = "inc2") -> None:
