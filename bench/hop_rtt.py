@@ -39,6 +39,17 @@ SPIN_S = 0.002
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _timed(n: int, send, receive) -> list[float]:
+    """Seconds per round trip, ``n`` times: send, then receive the echo."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        send()
+        receive()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def _zmq_echo(path: str, spin: bool) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -68,12 +79,7 @@ def _zmq_client(path: str, spin: bool, n: int, payload: bytes) -> list[float]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"ipc://{path}")
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        sock.send(payload)
-        _zmq_recv(sock, spin)
-        times.append(time.perf_counter() - t)
+    times = _timed(n, lambda: sock.send(payload), lambda: _zmq_recv(sock, spin))
     sock.send(b"q")
     sock.close(1000)
     ctx.term()
@@ -123,12 +129,7 @@ def _unix_client(path: str, spin: bool, n: int, payload: bytes) -> list[float]:
         except (FileNotFoundError, ConnectionRefusedError):
             time.sleep(0.01)
     frame = struct.pack("<I", len(payload)) + payload
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        conn.sendall(frame)
-        _unix_recv(conn, spin)
-        times.append(time.perf_counter() - t)
+    times = _timed(n, lambda: conn.sendall(frame), lambda: _unix_recv(conn, spin))
     conn.sendall(struct.pack("<I", 1) + b"q")
     conn.close()
     return times
