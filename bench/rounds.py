@@ -22,11 +22,48 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from bench.run import ROOT, Servectl, VllmServe, machine, non_stream_load, vllm_bench, wait_completion
 
-FIGURES = ("output_throughput", "median_itl_ms", "median_ttft_ms", "p99_itl_ms")
+FIGURES = ("output_throughput", "median_itl_ms", "median_ttft_ms", "p99_itl_ms", "tokens_per_step", "mean_step_ms")
+STEP_HISTOGRAM = "vllm:iteration_tokens_total"  # vLLM's tokens-per-step histogram, in both servers' /metrics
+
+
+def step_totals(base: str) -> tuple[float, float] | None:
+    """(tokens, steps) so far from the server's /metrics, summed over engines; None if it has none."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    tokens = steps = 0.0
+    found = False
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if metric == STEP_HISTOGRAM + "_sum":
+            tokens += float(value)
+            found = True
+        elif metric == STEP_HISTOGRAM + "_count":
+            steps += float(value)
+    return (tokens, steps) if found else None
+
+
+def step_figures(before: tuple[float, float] | None, after: tuple[float, float] | None, seconds: float | None) -> dict:
+    """Tokens per engine step and the mean step's wall time over one cell.
+
+    At a fixed concurrency these say why ITL differs: a server whose batches are
+    fuller (more sequences decoded per step) has longer steps and a higher ITL
+    for the same cost per sequence."""
+    if before is None or after is None or not seconds:
+        return {}
+    tokens, steps = after[0] - before[0], after[1] - before[1]
+    if steps <= 0:
+        return {}
+    return {"tokens_per_step": round(tokens / steps, 2), "mean_step_ms": round(seconds * 1000 / steps, 3)}
 
 
 def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path) -> dict:
@@ -40,7 +77,9 @@ def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path)
         vllm_bench(server.base, 4, 16, p.input_len, p.output_len, work)  # warm-up, not counted
         out: dict = {"stream": {}}
         for c in concurrency:
+            before = step_totals(server.base)
             r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work)
+            r.update(step_figures(before, step_totals(server.base), r.get("duration")))
             out["stream"][str(c)] = {k: r.get(k) for k in FIGURES}
         if p.non_stream_requests > 0:  # 0: streaming cells only
             ns = asyncio.run(non_stream_load(server.base, 16, p.non_stream_requests, p.output_len))
@@ -82,8 +121,11 @@ def markdown(res: dict, a: str, b: str) -> str:
 
     for c in sa["stream"]:
         for k, label in (("output_throughput", "stream tok/s"), ("median_itl_ms", "ITL p50 ms"),
-                         ("median_ttft_ms", "TTFT p50 ms")):
+                         ("median_ttft_ms", "TTFT p50 ms"), ("tokens_per_step", "tokens per engine step"),
+                         ("mean_step_ms", "mean engine step ms")):
             x, y = sa["stream"][c].get(k), sb["stream"].get(c, {}).get(k)
+            if x is None and y is None:
+                continue  # a figure neither server gave (older results, no /metrics)
             ratio = f"{y['median'] / x['median']:.2f}" if x and y and x["median"] else "-"
             lines.append(f"| {label}, c={c} | {cell(x)} | {cell(y)} | {ratio} |")
     x, y = sa["non_stream_c16_tok_s"], sb["non_stream_c16_tok_s"]
