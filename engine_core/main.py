@@ -1,7 +1,7 @@
 """``python -m engine_core``: start one served model's engine process.
 
 Connects the control socket, binds the gateway-facing ROUTER, builds the
-worker group and vLLM's ``LLMEngine`` with ``ZmqExecutor`` (or what
+worker group and vLLM's ``LLMEngine`` with ``WorkerGroupExecutor`` (or what
 ``SERVECTL_ENGINE_FACTORY`` names, for benchmarks), says ready, and runs
 ``EngineServer``'s loop (core.py). Exits 75 when the group is hung and 70 when
 a step failed (the engine's state is unknown): the manager restarts the group.
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         step_floor_s=spec.step_deadline_floor_s,
         step_multiple=spec.step_deadline_multiple,
     )
-    group.connect(ctx)
+    group.connect()
     ex.GROUP = group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=spec.model.model,
                 tensor_parallel_size=tp,
-                distributed_executor_backend=ex.ZmqExecutor,
+                distributed_executor_backend=ex.WorkerGroupExecutor,
                 **{**engine_args(spec.model), **idle.engine_args,
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},

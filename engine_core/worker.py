@@ -1,9 +1,11 @@
 """One tensor-parallel rank of an engine group: ``python -m engine_core.worker``.
 
-Started by the manager (never by the engine). Binds a ROUTER socket, blocks on
-it until its engine's executor sends a signed call, runs the call on vLLM's
-``WorkerWrapperBase`` and replies. ROUTER, not REP: a REP socket cannot drop a
-bad frame without breaking its send/receive lockstep.
+Started by the manager (never by the engine). Listens on a Unix stream socket
+(engine_core/worker_link.py: signed pickles, no ZeroMQ on this hop), blocks
+until its engine's executor sends a signed call, runs the call on vLLM's
+``WorkerWrapperBase`` and replies on the connection the call came on. Each
+connection has its own stream: a peer that sends garbage loses its own
+connection, never the engine's.
 
 Call frames (after the signature check): ``(call_id, method, args, kwargs,
 output_rank)``. Reply: ``(call_id, ok, result_or_error_text)``, in the order
@@ -16,13 +18,12 @@ the sampled tokens still running); ``get_output()`` blocks until it is done.
 As vLLM's own multiproc worker does (``WorkerProc.async_output_busy_loop``),
 that wait, and the reply's pickling and signing, happen on an output thread,
 so this loop is already receiving and launching step N+1 while step N's
-output is copied. Each ZeroMQ socket is used by one thread: the ROUTER by the
-loop, one end of an inproc PAIR by the output thread, which hands finished
-replies back to the loop (the loop forwards them to the ROUTER as soon as it
-is not inside a call). While anything is with the output thread, every later
-reply queues behind it there, so replies stay first in, first out. A worker
-that never sees an async output (CPU, or async scheduling off) never starts
-the thread.
+output is copied. The loop owns the connections; the output thread hands
+finished replies back through one end of an inproc ZeroMQ PAIR (the loop
+writes them to the connection as soon as it is not inside a call). While
+anything is with the output thread, every later reply queues behind it
+there, so replies stay first in, first out. A worker that never sees an
+async output (CPU, or async scheduling off) never starts the thread.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import itertools
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -44,7 +46,8 @@ from engine_core.load_errors import RemoteFailure, permanent_reason
 from engine_core.signing import BadSignature, Signer, read_key
 from engine_core.spin import WORKER_SPIN_ENV, spin_seconds
 from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
-from servectl.paths import RuntimePaths, bind_private
+from engine_core.worker_link import FrameError, FrameReader, listen_private, read_available, send_frames
+from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
@@ -55,12 +58,59 @@ class _NoAsync:  # stands in for AsyncModelRunnerOutput where none can occur
     pass
 
 
+class Connections:
+    """The worker's peers: a stream and a frame reader per accepted connection.
+
+    The loop polls them by fd; replies name their connection by a peer number
+    that is never reused (an fd is, once its connection closes)."""
+
+    def __init__(self, log):
+        self.log = log
+        self.socks: dict[int, socket.socket] = {}  # fd -> its connection
+        self.readers: dict[int, FrameReader] = {}  # fd -> its stream's reader
+        self.peer_of: dict[int, int] = {}  # fd -> peer number
+        self.by_peer: dict[int, socket.socket] = {}
+        self._peers = itertools.count(1)
+
+    def add(self, sock: socket.socket) -> int:
+        fd = sock.fileno()
+        self.socks[fd] = sock
+        self.readers[fd] = FrameReader()
+        self.peer_of[fd] = peer = next(self._peers)
+        self.by_peer[peer] = sock
+        return fd
+
+    def close(self, fd: int) -> None:
+        sock = self.socks.pop(fd, None)
+        self.readers.pop(fd, None)
+        self.by_peer.pop(self.peer_of.pop(fd, 0), None)
+        if sock is not None:
+            sock.close()
+
+    def deliver(self, peer: int, frames: list[bytes]) -> None:
+        """Write a reply to the connection its call came on (gone: the reply is dropped)."""
+        sock = self.by_peer.get(peer)
+        if sock is None:
+            self.log.warning("dropped a reply: its caller's connection is closed")
+            return
+        try:
+            send_frames(sock, frames)  # blocking: the engine reads its replies while it waits for them
+        except OSError as exc:
+            self.log.warning("dropped a reply: %s", exc)
+            self.close(sock.fileno())
+
+    def close_all(self) -> None:
+        for fd in list(self.socks):
+            self.close(fd)
+
+
 class Replies:
     """Sends replies in call order; async outputs are resolved on an output thread."""
 
-    def __init__(self, sock: zmq.Socket, signer: Signer, log, async_type: type,
+    def __init__(self, ctx: zmq.Context, conns: Connections, signer: Signer, log, async_type: type,
                  thread_init: Callable[[], None] = lambda: None):
-        self.sock = sock
+        self.ctx = ctx
+        self.conns = conns
         self.signer = signer
         self.log = log
         self.async_type = async_type
@@ -69,12 +119,12 @@ class Replies:
         self.thread: threading.Thread | None = None
         self.work: queue.SimpleQueue = queue.SimpleQueue()
         self.address = f"inproc://servectl-worker-replies-{os.getpid()}-{next(_pair_ids)}"
-        self.pair = sock.context.socket(zmq.PAIR)
+        self.pair = ctx.socket(zmq.PAIR)
         self.pair.setsockopt(zmq.LINGER, 0)
         self.pair.bind(self.address)
 
     # ---- the loop's side ----------------------------------------------------------
-    def send(self, peer: bytes, call_id: Any, ok: bool, value: Any) -> None:
+    def send(self, peer: int, call_id: Any, ok: bool, value: Any) -> None:
         if isinstance(value, self.async_type) or self.in_thread:
             if self.thread is None:
                 self.log.info("async scheduling: async model outputs are resolved on an output thread")
@@ -83,17 +133,17 @@ class Replies:
             self.in_thread += 1
             self.work.put((peer, call_id, ok, value))
             return
-        self.sock.send_multipart([peer, *self._frames(call_id, ok, value)], copy=False)
+        self.conns.deliver(peer, self._frames(call_id, ok, value))
 
     def forward(self) -> None:
-        """Pass every reply the output thread has finished to the ROUTER (never blocks)."""
+        """Write every reply the output thread has finished to its connection (never waits for one)."""
         while True:
             try:
-                frames = self.pair.recv_multipart(zmq.NOBLOCK, copy=False)
+                peer, mac, payload = self.pair.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.in_thread -= 1
-            self.sock.send_multipart(frames, copy=False)
+            self.conns.deliver(int(peer), [mac, payload])
 
     def close(self) -> None:
         if self.thread is not None:
@@ -110,7 +160,7 @@ class Replies:
 
     # ---- the output thread -----------------------------------------------------------
     def _output_loop(self) -> None:
-        out = self.sock.context.socket(zmq.PAIR)
+        out = self.ctx.socket(zmq.PAIR)
         out.setsockopt(zmq.LINGER, 0)
         out.connect(self.address)
         try:
@@ -129,17 +179,17 @@ class Replies:
                     except Exception as exc:
                         self.log.exception("async model output failed")
                         ok, value = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-                out.send_multipart([peer, *self._frames(call_id, ok, value)], copy=False)
+                out.send_multipart([str(peer).encode(), *self._frames(call_id, ok, value)], copy=False)
         except zmq.ContextTerminated:
             return
         finally:
             out.close()
 
 
-def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
+def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
           run_method: Callable[..., Any] | None = None, async_type: type | None = None,
           thread_init: Callable[[], None] | None = None) -> None:
-    """The worker loop. Returns when the socket's context is terminated.
+    """The worker loop on a listening socket. Returns when ``ctx`` (the output thread's) is terminated.
 
     ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
     ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``;
@@ -174,9 +224,12 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
                 current_platform.set_device(device)
 
     assert run_method is not None
-    replies = Replies(sock, signer, log, async_type or _NoAsync, thread_init or (lambda: None))
+    conns = Connections(log)
+    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None))
+    listener.setblocking(False)
+    listen_fd = listener.fileno()
     poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
+    poller.register(listen_fd, zmq.POLLIN)
     poller.register(replies.pair, zmq.POLLIN)
     spin_s = spin_seconds(WORKER_SPIN_ENV)
     spin_until = 0.0
@@ -194,32 +247,55 @@ def serve(sock: zmq.Socket, signer: Signer, rank: int, log, wrapper: Any = None,
                 events = dict(poller.poll())  # idle: blocks in the kernel
             if replies.pair in events:
                 replies.forward()
-            if sock not in events:
-                continue
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                continue
-            _handle(frames, replies, signer, rank, log, wrapper, run_method, async_type or _NoAsync)
-            spin_until = time.perf_counter() + spin_s
-            # A reply the output thread finished meanwhile goes out before the next call runs.
-            replies.forward()
+            if listen_fd in events:
+                _accept(listener, conns, poller)
+            for fd in [fd for fd in events if fd in conns.socks]:
+                peer = conns.peer_of[fd]
+                frames_list = _read(fd, conns, poller, signer, log)
+                for frames in frames_list:
+                    _handle(peer, frames, replies, signer, rank, log, wrapper, run_method, async_type or _NoAsync)
+                    # A reply the output thread finished meanwhile goes out before the next call runs.
+                    replies.forward()
+                if frames_list:
+                    spin_until = time.perf_counter() + spin_s
     except zmq.ContextTerminated:
         pass
     finally:
         replies.close()
-        sock.close()
+        conns.close_all()
+        listener.close()
 
 
-def _handle(frames: list[bytes], replies: Replies, signer: Signer, rank: int, log, wrapper: Any,
-            run_method: Callable[..., Any], async_type: type) -> None:
-    if len(frames) < 2:
-        signer.rejected += 1
-        log.warning("rejected frame: no payload (%d rejected so far)", signer.rejected)
-        return
-    peer, body = frames[0], frames[1:]
+def _accept(listener: socket.socket, conns: Connections, poller: zmq.Poller) -> None:
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # e.g. the peer gave up before the accept (ECONNABORTED)
+            return
+        sock.setblocking(True)
+        poller.register(conns.add(sock), zmq.POLLIN)
+
+
+def _read(fd: int, conns: Connections, poller: zmq.Poller, signer: Signer, log) -> list[list[bytes]]:
+    """The complete messages a connection holds; a hung-up or garbled connection is closed."""
     try:
-        call = signer.loads(body)
+        frames, eof = read_available(conns.socks[fd], conns.readers[fd])
+    except FrameError as exc:
+        signer.rejected += 1
+        log.warning("rejected frame: %s; closing that connection (%d rejected so far)", exc, signer.rejected)
+        frames, eof = [], True
+    if eof:
+        poller.unregister(fd)
+        conns.close(fd)
+    return frames
+
+
+def _handle(peer: int, frames: list[bytes], replies: Replies, signer: Signer, rank: int, log, wrapper: Any,
+            run_method: Callable[..., Any], async_type: type) -> None:
+    try:
+        call = signer.loads(frames)
         call_id, method, args, kwargs, output_rank = call
     except BadSignature as exc:
         log.warning("rejected frame: %s (%d rejected so far)", exc, signer.rejected)
@@ -260,12 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_child_logging(f"worker[{args.model}:{args.rank}]")
     signer = Signer(read_key(args.key_fd))
     path = RuntimePaths(Path(args.runtime_dir)).worker(args.model, args.rank)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    bind_private(sock, path)
+    listener = listen_private(path)
     log.info("listening on %s", path)
-    serve(sock, signer, args.rank, log)
+    serve(listener, zmq.Context(), signer, args.rank, log)
     return 0
 
 

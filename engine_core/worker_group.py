@@ -1,6 +1,6 @@
 """The engine's handle on its workers: calls, the reply deadline, freezing.
 
-No vLLM and no torch here (``ZmqExecutor`` in ``executor.py`` is the vLLM
+No vLLM and no torch here (``WorkerGroupExecutor`` in ``executor.py`` is the vLLM
 side), so the call logic is tested on its own against a worker double
 (tests/test_executor_unit.py).
 
@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,8 +52,13 @@ import zmq
 from engine_core.signing import BadSignature, Signer
 from engine_core.spin import ENGINE_SPIN_ENV, spin_seconds
 from engine_core.step_deadline import StepDeadline, StepKinds
+from engine_core.worker_link import FrameError, FrameReader, read_available, send_frames
 
 log = logging.getLogger("engine_core.executor")
+
+# How often the first call retries connecting to a worker that is not listening yet
+# (it binds its socket before importing vLLM; the engine's first call comes after its own).
+CONNECT_RETRY_S = 0.01
 
 # execute_model, then sample_tokens(None) if it returned None: one round trip
 # per step instead of two when no request needs a grammar (see StepCalls).
@@ -151,7 +157,9 @@ class WorkerGroup:
     # SERVECTL_ENGINE_SPIN_US (engine_core/spin.py); 0 blocks at once.
     spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
-    sockets: list[zmq.Socket] = field(default_factory=list)
+    # One Unix stream socket per rank (engine_core/worker_link.py), connected at the first call.
+    sockets: list[socket.socket | None] = field(default_factory=list)
+    readers: list[FrameReader] = field(default_factory=list)
     # Outstanding calls by id, oldest first.
     outstanding: "OrderedDict[int, PendingCall]" = field(default_factory=OrderedDict)
     # Steps (execute_model calls) sent, and those sent while an earlier call was
@@ -167,17 +175,48 @@ class WorkerGroup:
         if self.deadlines is None:
             self.deadlines = StepDeadline(self.reply_timeout_s, self.step_floor_s, self.step_multiple)
 
-    def connect(self, ctx: zmq.Context) -> None:
-        for path in self.worker_paths:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"ipc://{path}")
-            self.sockets.append(sock)
-        self.poller = zmq.Poller()
-        self.rank_of: dict[zmq.Socket, int] = {}
-        for rank, sock in enumerate(self.sockets):
-            self.poller.register(sock, zmq.POLLIN)
-            self.rank_of[sock] = rank
+    def connect(self) -> None:
+        """Prepare one connection per rank; each is made by the first call (the worker may still be starting)."""
+        self.sockets = [None] * len(self.worker_paths)
+        self.readers = [FrameReader() for _ in self.worker_paths]
+        self.poller = zmq.Poller()  # it polls plain fds too
+        self.rank_of: dict[int, int] = {}  # fd -> rank
+
+    @property
+    def ranks(self) -> int:
+        return len(self.worker_paths)
+
+    def _connect_rank(self, rank: int, deadline: float) -> socket.socket:
+        path = self.worker_paths[rank]
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise WorkerHung(f"worker rank {rank} is not listening on {path}: {exc}") from None
+                # event-proof: only before the group's first call reaches a worker that is still
+                # starting (it listens before importing vLLM), bounded by that call's deadline.
+                time.sleep(CONNECT_RETRY_S)
+        self.sockets[rank] = sock
+        self.rank_of[sock.fileno()] = rank
+        self.poller.register(sock.fileno(), zmq.POLLIN)
+        return sock
+
+    def _drop_rank(self, rank: int) -> None:
+        sock = self.sockets[rank]
+        if sock is not None:
+            self.poller.unregister(sock.fileno())
+            self.rank_of.pop(sock.fileno(), None)
+            sock.close()
+            self.sockets[rank] = None
+            self.readers[rank] = FrameReader()
+
+    def close(self) -> None:
+        for rank in range(len(self.sockets)):
+            self._drop_rank(rank)
 
     # ---- freezing ----------------------------------------------------------
     def _signal_all(self, sig: int) -> None:
@@ -223,12 +262,21 @@ class WorkerGroup:
             if self.outstanding:
                 self.overlapped_steps += 1
         call_id = next(self._ids)
-        for rank, sock in enumerate(self.sockets):
+        timeout_s = timeout if timeout is not None else self.deadlines.timeout_for(tokens, kinds)
+        send_by = time.monotonic() + timeout_s
+        for rank in range(self.ranks):
+            sock = self.sockets[rank] or self._connect_rank(rank, send_by)
             rank_args = per_rank_args[rank] if per_rank_args is not None else args
-            sock.send_multipart(self.signer.dumps((call_id, method, rank_args, kwargs, output_rank)), copy=False)
-        call = PendingCall(self, call_id, name, len(self.sockets),
-                           timeout if timeout is not None else self.deadlines.timeout_for(tokens, kinds), pick,
-                           tokens, kinds)
+            frames = self.signer.dumps((call_id, method, rank_args, kwargs, output_rank))
+            try:
+                # Normally buffered at once; a big message waits for the worker to read it, not
+                # past this call's deadline (a worker that reads nothing that long is hung).
+                send_frames(sock, frames, timeout=max(0.0, send_by - time.monotonic()))
+            except TimeoutError:
+                self._lost(f"worker rank {rank} took no call {name} within {timeout_s:g}s")
+            except OSError as exc:
+                self._lost(f"worker rank {rank}'s connection failed sending {name}: {exc}")
+        call = PendingCall(self, call_id, name, self.ranks, timeout_s, pick, tokens, kinds)
         if not self.outstanding:
             self._arm(call)
         self.outstanding[call_id] = call
@@ -274,14 +322,19 @@ class WorkerGroup:
             if time.monotonic() < head.deadline:
                 return  # woken early (a signal): wait again
             self._hung(head)
-        for sock in ready:
-            rank = self.rank_of[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        for fd in ready:
+            rank = self.rank_of[fd]
+            try:
+                replies, hung_up = read_available(self.sockets[rank], self.readers[rank])
+            except FrameError as exc:
+                self._lost(f"worker rank {rank} sent what is not a reply ({exc})")
+            for frames in replies:
                 self._on_reply(rank, frames)
+            if hung_up:
+                self._settle_in_order()  # what it answered before it went still counts
+                if self.outstanding:
+                    self._lost(f"worker rank {rank} closed its connection")
+                self._drop_rank(rank)
         self._settle_in_order()
 
     def _spin_from(self, head: PendingCall) -> float | None:
@@ -301,12 +354,17 @@ class WorkerGroup:
         return head.armed_at + max(0.0, earliest - self.spin_s / 2)
 
     def _hung(self, head: PendingCall) -> None:
-        exc = WorkerHung(f"worker rank(s) {sorted(head.waiting)} gave no reply to {head.method} "
-                         f"within {head.timeout_s:g}s ({len(self.outstanding)} call(s) in flight)")
+        self._lost(f"worker rank(s) {sorted(head.waiting)} gave no reply to {head.method} "
+                   f"within {head.timeout_s:g}s ({len(self.outstanding)} call(s) in flight)")
+
+    def _lost(self, why: str) -> None:
+        """A worker is hung or gone: every call in flight fails and the engine exits (the manager restarts the group)."""
+        exc = WorkerHung(why)
         calls = list(self.outstanding.values())
         self.outstanding.clear()
         for call in calls:
             call.set_exception(exc)
+        self.close()
         raise exc
 
     def _on_reply(self, rank: int, frames: list[bytes]) -> None:

@@ -1,7 +1,7 @@
-"""Issue 13: two calls in flight through the ZeroMQ executor, without vLLM or a GPU.
+"""Issue 13: two calls in flight through the executor, without vLLM or a GPU.
 
 ``WorkerGroup`` (engine_core/worker_group.py) against a worker double
-(tests/worker_double.py: a ROUTER thread speaking the signed-pickle protocol):
+(tests/worker_double.py: a thread on a Unix socket speaking the signed-pickle protocol):
 FIFO settling, a late reply, a dead worker, the deadline of the oldest call,
 the overlap counter, no freezing with a call in flight. Then the real worker
 loop (``engine_core.worker.serve``) with a stand-in model runner whose
@@ -38,13 +38,12 @@ _GROUPS: list[WorkerGroup] = []
 
 @pytest.fixture
 def ctx():
-    c = zmq.Context()
+    c = zmq.Context()  # the real worker loop's (its output thread's PAIR)
     yield c
     # Each socket is closed by the thread that uses it: the groups' here, the doubles' and
     # the worker loop's on their own threads (the doubles on close(), the loop on ETERM).
     while _GROUPS:
-        for sock in _GROUPS.pop().sockets:
-            sock.close()
+        _GROUPS.pop().close()
     t = threading.Thread(target=c.term, daemon=True)
     t.start()
     t.join(10)
@@ -54,7 +53,7 @@ def ctx():
 def make_group(ctx, tmp_path, ranks: int = 1, timeout: float = 5.0, pidfds=None) -> WorkerGroup:
     g = WorkerGroup(worker_paths=[str(tmp_path / f"w{r}") for r in range(ranks)], pidfds=pidfds or [],
                     signer=Signer(KEY), reply_timeout_s=timeout, distributed_init_method="unused")
-    g.connect(ctx)
+    g.connect()
     _GROUPS.append(g)
     return g
 
@@ -64,7 +63,7 @@ def doubles(ctx, tmp_path):
     made = []
 
     def make(mode: str = "auto", rank: int = 0, **kw) -> WorkerDouble:
-        d = WorkerDouble(ctx, tmp_path / f"w{rank}", Signer(KEY), mode=mode, **kw)
+        d = WorkerDouble(tmp_path / f"w{rank}", Signer(KEY), mode=mode, **kw)
         made.append(d)
         return d
 
@@ -289,12 +288,11 @@ def real_worker(ctx, tmp_path):
     import logging
 
     from engine_core.worker import serve
+    from engine_core.worker_link import listen_private
 
     runner = FakeRunner()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"ipc://{tmp_path / 'w0'}")
-    t = threading.Thread(target=serve, args=(sock, Signer(KEY), 0, logging.getLogger("test-worker")),
+    listener = listen_private(tmp_path / "w0")
+    t = threading.Thread(target=serve, args=(listener, ctx, Signer(KEY), 0, logging.getLogger("test-worker")),
                          kwargs=dict(wrapper=runner, run_method=run_method, async_type=FakeAsyncOutput),
                          daemon=True, name="worker-main")
     t.start()
@@ -403,7 +401,7 @@ def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_
     published = []
     g = WorkerGroup(worker_paths=[str(tmp_path / "w0")], pidfds=[], signer=Signer(KEY), reply_timeout_s=60,
                     distributed_init_method="unused", on_deadline=published.append, step_floor_s=0.3)
-    g.connect(ctx)
+    g.connect()
     _GROUPS.append(g)
     steps = StepCalls(g, 0)
     for _ in range(16):  # warm-up: served at the generous deadline

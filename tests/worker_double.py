@@ -1,9 +1,9 @@
-"""A worker test double: a thread with a ROUTER socket that speaks the worker protocol.
+"""A worker test double: a thread listening on a Unix socket that speaks the worker protocol.
 
-Frames are engine_core/signing.py's signed pickles: calls ``(call_id, method,
-args, kwargs, output_rank)``, replies ``(call_id, ok, value)``. No vLLM, no
-torch. The double's thread owns its ROUTER; the test talks to the thread
-through a queue and an inproc doorbell, so every socket has one thread.
+Messages are engine_core/worker_link.py's signed pickles on a stream: calls
+``(call_id, method, args, kwargs, output_rank)``, replies ``(call_id, ok,
+value)``. No vLLM, no torch. The double's thread owns its sockets; the test
+talks to the thread through a queue and a socketpair doorbell.
 
 Modes:
 - ``"auto"``: answer each call at once with ``handler(method, args)`` (by
@@ -15,39 +15,35 @@ Modes:
 
 from __future__ import annotations
 
-import itertools
 import queue
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from engine_core.signing import Signer
-
-_ids = itertools.count()
+from engine_core.worker_link import FrameReader, listen_private, read_available, send_frames
 
 
 class WorkerDouble:
-    def __init__(self, ctx: zmq.Context, path: Path, signer: Signer, mode: str = "auto",
+    def __init__(self, path: Path, signer: Signer, mode: str = "auto",
                  handler: Callable[[str, tuple], Any] | None = None):
-        self.ctx = ctx
         self.path = path
         self.signer = signer
         self.mode = mode
         self.handler = handler or (lambda method, args: ("done", method, args))
         self.calls: list[tuple[int, str, tuple]] = []  # (call_id, method, args) in arrival order
         self.sent: list[int] = []  # call ids answered, in order
-        self._peers: dict[int, bytes] = {}
+        self._peers: dict[int, socket.socket] = {}
         self._cond = threading.Condition()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._bell = f"inproc://worker-double-{next(_ids)}"
-        self._ready = threading.Event()
+        self._bell_r, self._bell_w = socket.socketpair()
+        self._listener = listen_private(path)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"worker-double-{path.name}")
         self._thread.start()
-        self._ready.wait(10)
 
     # ---- the test's side (any thread) ----------------------------------------------------
     def wait_calls(self, n: int, timeout: float = 10) -> list[tuple[int, str, tuple]]:
@@ -59,7 +55,7 @@ class WorkerDouble:
     def reply(self, call_id: int, value: Any = None, ok: bool = True, raw: list[bytes] | None = None) -> None:
         """Answer a call (or send ``raw`` frames to the last peer) from the double's thread."""
         self._commands.put(("reply", call_id, ok, value, raw))
-        self._ring()
+        self._bell_w.send(b"!")
 
     def reply_later(self, delay_s: float, call_id: int, value: Any = None, ok: bool = True) -> threading.Timer:
         timer = threading.Timer(delay_s, self.reply, args=(call_id, value, ok))
@@ -69,74 +65,66 @@ class WorkerDouble:
 
     def close(self) -> None:
         self._commands.put(("stop",))
-        self._ring()
+        self._bell_w.send(b"!")
         self._thread.join(10)
-
-    def _ring(self) -> None:
-        # A socket of the calling thread's own, used once: one thread per socket.
-        bell = self.ctx.socket(zmq.PUSH)
-        bell.setsockopt(zmq.LINGER, 1000)
-        bell.connect(self._bell)
-        bell.send(b"!")
-        bell.close()
+        self._bell_w.close()
 
     # ---- the double's thread --------------------------------------------------------------
+    def _send(self, peer: socket.socket, call_id: int, ok: bool, value: Any) -> None:
+        send_frames(peer, self.signer.dumps((call_id, ok, value)))
+        with self._cond:
+            self.sent.append(call_id)
+
     def _run(self) -> None:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"ipc://{self.path}")
-        bell = self.ctx.socket(zmq.PULL)
-        bell.setsockopt(zmq.LINGER, 0)
-        bell.bind(self._bell)
-        poller = zmq.Poller()
-        for s in (sock, bell):
-            poller.register(s, zmq.POLLIN)
-        self._ready.set()
-        last_peer = b""
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, "listen")
+        sel.register(self._bell_r, selectors.EVENT_READ, "bell")
+        readers: dict[socket.socket, FrameReader] = {}
+        last_peer: socket.socket | None = None
         try:
             while True:
-                events = dict(poller.poll())
-                if bell in events:
-                    while True:
-                        try:
-                            bell.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                    while True:
-                        try:
-                            cmd = self._commands.get_nowait()
-                        except queue.Empty:
-                            break
-                        if cmd[0] == "stop":
-                            return
-                        _, call_id, ok, value, raw = cmd
-                        if raw is not None:
-                            sock.send_multipart([last_peer, *raw])
-                            continue
-                        peer = self._peers.get(call_id, last_peer)
-                        sock.send_multipart([peer, *self.signer.dumps((call_id, ok, value))])
-                        with self._cond:
-                            self.sent.append(call_id)
-                if sock in events:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        peer, body = frames[0], frames[1:]
-                        last_peer = peer
-                        call_id, method, args, kwargs, output_rank = self.signer.loads(body)
-                        with self._cond:
-                            self.calls.append((call_id, method, args))
-                            self._peers[call_id] = peer
-                            self._cond.notify_all()
-                        if self.mode == "auto":
-                            sock.send_multipart([peer, *self.signer.dumps((call_id, True, self.handler(method, args)))])
+                for key, _ in sel.select():
+                    if key.data == "listen":
+                        conn, _ = self._listener.accept()
+                        readers[conn] = FrameReader()
+                        sel.register(conn, selectors.EVENT_READ, "conn")
+                    elif key.data == "bell":
+                        self._bell_r.recv(4096)
+                        while True:
+                            try:
+                                cmd = self._commands.get_nowait()
+                            except queue.Empty:
+                                break
+                            if cmd[0] == "stop":
+                                return
+                            _, call_id, ok, value, raw = cmd
+                            peer = self._peers.get(call_id, last_peer)
+                            if raw is not None:
+                                send_frames(last_peer, raw)
+                                continue
+                            self._send(peer, call_id, ok, value)
+                    else:
+                        conn = key.fileobj
+                        messages, hung_up = read_available(conn, readers[conn])
+                        for frames in messages:
+                            last_peer = conn
+                            call_id, method, args, kwargs, output_rank = self.signer.loads(frames)
                             with self._cond:
-                                self.sent.append(call_id)
+                                self.calls.append((call_id, method, args))
+                                self._peers[call_id] = conn
+                                self._cond.notify_all()
+                            if self.mode == "auto":
+                                self._send(conn, call_id, True, self.handler(method, args))
+                        if hung_up:
+                            sel.unregister(conn)
+                            conn.close()
+                            readers.pop(conn)
         finally:
-            for s in (sock, bell):
-                s.close()
+            for conn in readers:
+                conn.close()
+            self._listener.close()
+            self._bell_r.close()
+            sel.close()
 
 
 def elapsed(t0: float) -> float:
