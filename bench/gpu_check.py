@@ -7,7 +7,7 @@ The full check starts servectl (the bundled model) and `vllm serve` side by
 side with identical engine settings, then
 
 1. asserts from servectl's engine log that vLLM turned async scheduling on
-   through ``ZmqExecutor`` ("async scheduling on (max_concurrent_batches 2"),
+   through ``WorkerGroupExecutor`` ("async scheduling on (max_concurrent_batches 2"),
 2. asserts that the engine's overlap counter (steps whose execute_model went
    out before the previous step's reply arrived; ``StatsReply.overlapped_steps``
    on the engine socket) grows under load,

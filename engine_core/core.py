@@ -1,7 +1,7 @@
 """The engine process of one served model: ``python -m engine_core``.
 
 Hosts vLLM's ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-with ``ZmqExecutor`` driving the group's manager-started workers. The loop is
+with ``WorkerGroupExecutor`` driving the group's manager-started workers. The loop is
 vLLM's own core-loop shape: when nothing is unfinished, block on the sockets;
 otherwise drain every pending message without blocking, step once, and send
 each gateway all of the step's deltas in one message (a non-streaming

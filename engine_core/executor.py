@@ -1,7 +1,7 @@
-"""vLLM Executor that drives manager-started worker processes over ZeroMQ.
+"""vLLM Executor that drives manager-started worker processes (over engine_core/worker_link.py).
 
 ``LLMEngine`` runs in the engine process with
-``distributed_executor_backend=ZmqExecutor``. The calls, their futures, the
+``distributed_executor_backend=WorkerGroupExecutor``. The calls, their futures, the
 reply deadline and freezing live in ``worker_group.py`` (no vLLM there); this
 module is the thin vLLM side.
 
@@ -33,7 +33,7 @@ log = logging.getLogger("engine_core.executor")
 GROUP: WorkerGroup | None = None
 
 
-class ZmqExecutor(Executor):
+class WorkerGroupExecutor(Executor):
     supports_pp = False
 
     @classmethod
@@ -49,11 +49,11 @@ class ZmqExecutor(Executor):
 
     def _init_executor(self) -> None:
         if GROUP is None:
-            raise RuntimeError("ZmqExecutor needs engine_core to set executor.GROUP first")
+            raise RuntimeError("WorkerGroupExecutor needs engine_core to set executor.GROUP first")
         self.group = GROUP
         world = self.parallel_config.world_size
-        if world != len(self.group.sockets):
-            raise RuntimeError(f"engine expects {world} workers, the manager started {len(self.group.sockets)}")
+        if world != self.group.ranks:
+            raise RuntimeError(f"engine expects {world} workers, the manager started {self.group.ranks}")
         tp = self.parallel_config.tensor_parallel_size
         per_rank = []
         for rank in range(world):

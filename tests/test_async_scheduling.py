@@ -4,7 +4,7 @@ On CPU vLLM turns async scheduling off for every executor
 (``CpuPlatform.check_and_update_config``). An explicit
 ``engine_args.async_scheduling = true`` is honoured there by servectl
 (``engine_core.executor.honour_async_scheduling_on_cpu``), as a GPU platform
-would decide: with ``ZmqExecutor`` saying it supports async scheduling, vLLM builds its
+would decide: with ``WorkerGroupExecutor`` saying it supports async scheduling, vLLM builds its
 ``AsyncScheduler`` and a batch queue of ``max_concurrent_batches`` = 2, and the
 CPU model runner returns vLLM's ``AsyncGPUModelRunnerOutput`` (the CPU worker
 replaces CUDA streams and events with no-op placeholders, so it runs). So
