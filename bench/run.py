@@ -268,14 +268,14 @@ def vllm_bench(base_url: str, concurrency: int, num_prompts: int, input_len: int
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "default",
         "--tokenizer", str(DEFAULT_MODEL_DIR), "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
-        str(concurrency), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,itl,e2el",
+        str(concurrency), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--seed", "0", "--ready-check-timeout-sec", "0",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", f"vb-{concurrency}.json",
     ])
     vb.main(args)
     data = json.loads((result_dir / f"vb-{concurrency}.json").read_text())
     return {k: data.get(k) for k in ("completed", "output_throughput", "request_throughput", "median_ttft_ms",
-                                      "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "duration")}
+                                      "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "duration")}
 
 
 async def non_stream_load(base: str, concurrency: int, total: int, output_len: int) -> dict:
