@@ -59,45 +59,50 @@ class _NoAsync:  # stands in for AsyncModelRunnerOutput where none can occur
 
 
 class Connections:
-    """The worker's peers: a stream and a frame reader per accepted connection.
+    """The worker's peers: a stream and a frame reader per accepted connection, and their polling.
 
     The loop polls them by fd; replies name their connection by a peer number
-    that is never reused (an fd is, once its connection closes)."""
+    that is never reused (an fd is, once its connection closes). Whoever
+    closes a connection (a hang-up, garbage, a failed reply) closes it here,
+    so the poller never holds a closed fd."""
 
-    def __init__(self, log):
+    def __init__(self, log, poller: zmq.Poller):
         self.log = log
+        self.poller = poller
         self.socks: dict[int, socket.socket] = {}  # fd -> its connection
         self.readers: dict[int, FrameReader] = {}  # fd -> its stream's reader
         self.peer_of: dict[int, int] = {}  # fd -> peer number
-        self.by_peer: dict[int, socket.socket] = {}
+        self.fd_of: dict[int, int] = {}  # peer number -> fd
         self._peers = itertools.count(1)
 
-    def add(self, sock: socket.socket) -> int:
+    def add(self, sock: socket.socket) -> None:
         fd = sock.fileno()
         self.socks[fd] = sock
         self.readers[fd] = FrameReader()
         self.peer_of[fd] = peer = next(self._peers)
-        self.by_peer[peer] = sock
-        return fd
+        self.fd_of[peer] = fd
+        self.poller.register(fd, zmq.POLLIN)
 
     def close(self, fd: int) -> None:
         sock = self.socks.pop(fd, None)
-        self.readers.pop(fd, None)
-        self.by_peer.pop(self.peer_of.pop(fd, 0), None)
-        if sock is not None:
-            sock.close()
+        if sock is None:
+            return
+        self.poller.unregister(fd)
+        self.readers.pop(fd)
+        self.fd_of.pop(self.peer_of.pop(fd))
+        sock.close()
 
     def deliver(self, peer: int, frames: list[bytes]) -> None:
         """Write a reply to the connection its call came on (gone: the reply is dropped)."""
-        sock = self.by_peer.get(peer)
-        if sock is None:
+        fd = self.fd_of.get(peer)
+        if fd is None:
             self.log.warning("dropped a reply: its caller's connection is closed")
             return
         try:
-            send_frames(sock, frames)  # blocking: the engine reads its replies while it waits for them
+            send_frames(self.socks[fd], frames)  # blocking: the engine reads its replies while it waits for them
         except OSError as exc:
             self.log.warning("dropped a reply: %s", exc)
-            self.close(sock.fileno())
+            self.close(fd)
 
     def close_all(self) -> None:
         for fd in list(self.socks):
@@ -224,11 +229,11 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
                 current_platform.set_device(device)
 
     assert run_method is not None
-    conns = Connections(log)
+    poller = zmq.Poller()
+    conns = Connections(log, poller)
     replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None))
     listener.setblocking(False)
     listen_fd = listener.fileno()
-    poller = zmq.Poller()
     poller.register(listen_fd, zmq.POLLIN)
     poller.register(replies.pair, zmq.POLLIN)
     spin_s = spin_seconds(WORKER_SPIN_ENV)
@@ -248,10 +253,10 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
             if replies.pair in events:
                 replies.forward()
             if listen_fd in events:
-                _accept(listener, conns, poller)
+                _accept(listener, conns)
             for fd in [fd for fd in events if fd in conns.socks]:
                 peer = conns.peer_of[fd]
-                frames_list = _read(fd, conns, poller, signer, log)
+                frames_list = _read(fd, conns, signer, log)
                 for frames in frames_list:
                     _handle(peer, frames, replies, signer, rank, log, wrapper, run_method, async_type or _NoAsync)
                     # A reply the output thread finished meanwhile goes out before the next call runs.
@@ -266,7 +271,7 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
         listener.close()
 
 
-def _accept(listener: socket.socket, conns: Connections, poller: zmq.Poller) -> None:
+def _accept(listener: socket.socket, conns: Connections) -> None:
     while True:
         try:
             sock, _ = listener.accept()
@@ -275,10 +280,10 @@ def _accept(listener: socket.socket, conns: Connections, poller: zmq.Poller) -> 
         except OSError:  # e.g. the peer gave up before the accept (ECONNABORTED)
             return
         sock.setblocking(True)
-        poller.register(conns.add(sock), zmq.POLLIN)
+        conns.add(sock)
 
 
-def _read(fd: int, conns: Connections, poller: zmq.Poller, signer: Signer, log) -> list[list[bytes]]:
+def _read(fd: int, conns: Connections, signer: Signer, log) -> list[list[bytes]]:
     """The complete messages a connection holds; a hung-up or garbled connection is closed."""
     try:
         frames, eof = read_available(conns.socks[fd], conns.readers[fd])
@@ -287,7 +292,6 @@ def _read(fd: int, conns: Connections, poller: zmq.Poller, signer: Signer, log) 
         log.warning("rejected frame: %s; closing that connection (%d rejected so far)", exc, signer.rejected)
         frames, eof = [], True
     if eof:
-        poller.unregister(fd)
         conns.close(fd)
     return frames
 

@@ -197,9 +197,9 @@ class WorkerGroup:
                 sock.close()
                 if time.monotonic() >= deadline:
                     raise WorkerHung(f"worker rank {rank} is not listening on {path}: {exc}") from None
-                # event-proof: only before the group's first call reaches a worker that is still
-                # starting (it listens before importing vLLM), bounded by that call's deadline.
-                time.sleep(CONNECT_RETRY_S)
+                # Only before the group's first call reaches a worker that is still starting
+                # (it listens before importing vLLM), bounded by that call's deadline.
+                time.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
         self.sockets[rank] = sock
         self.rank_of[sock.fileno()] = rank
         self.poller.register(sock.fileno(), zmq.POLLIN)
