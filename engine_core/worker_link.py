@@ -53,19 +53,33 @@ class FrameReader:
         return max(0, HEADER.size + length - len(self.buf))
 
     def feed(self, data: bytes) -> list[list[bytes]]:
-        """The frames ``data`` completes, in stream order; FrameError on a length past the limit."""
-        self.buf += data
+        """The frames ``data`` completes, in stream order; FrameError on a length past the limit.
+
+        A read that starts on a message boundary (every step's call and reply, as a rule)
+        is sliced from ``data`` itself; only a partial message's bytes are kept and copied."""
         out: list[list[bytes]] = []
-        while len(self.buf) >= HEADER.size:
-            length, mac = HEADER.unpack_from(self.buf)
+        if self.buf:
+            self.buf += data
+            consumed = self._split(self.buf, out)
+            del self.buf[:consumed]
+        else:
+            consumed = self._split(data, out)
+            self.buf += data[consumed:]
+        return out
+
+    def _split(self, data: bytes | bytearray, out: list[list[bytes]]) -> int:
+        """Append the whole messages at the start of ``data`` to ``out``: the bytes they took."""
+        pos = 0
+        while len(data) - pos >= HEADER.size:
+            length, mac = HEADER.unpack_from(data, pos)
             if length > self.max_payload:
                 raise FrameError(f"a message of {length} bytes (the limit is {self.max_payload})")
-            end = HEADER.size + length
-            if len(self.buf) < end:
+            end = pos + HEADER.size + length
+            if len(data) < end:
                 break
-            out.append([mac, bytes(self.buf[HEADER.size:end])])
-            del self.buf[:end]
-        return out
+            out.append([mac, bytes(data[pos + HEADER.size:end])])
+            pos = end
+        return pos
 
 
 def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[bytes]], bool]:
