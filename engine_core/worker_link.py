@@ -22,10 +22,11 @@ No vLLM, no ZeroMQ here (tests/test_worker_link_unit.py).
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from pathlib import Path
+
+from servectl.paths import bind_private
 
 HEADER = struct.Struct("!Q32s")  # payload length, HMAC-SHA256 of the payload
 MAX_PAYLOAD = 1 << 31  # a step's pickled SchedulerOutput is KiB to a few MiB; 2 GiB is not a call
@@ -125,12 +126,6 @@ def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None 
 def listen_private(path: Path, backlog: int = 16) -> socket.socket:
     """A listening Unix stream socket at ``path``, the socket file created mode 0600."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        if path.exists() or path.is_symlink():
-            path.unlink()
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
+    bind_private(sock, path)
     sock.listen(backlog)
     return sock

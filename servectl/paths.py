@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import re
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -121,12 +122,12 @@ class RuntimePaths:
 
 
 def bind_private(sock, path: Path) -> None:
-    """Bind a ZeroMQ socket to ``ipc://path``, the socket file created mode 0600."""
+    """Bind a ZeroMQ socket to ``ipc://path``, or a plain Unix socket to ``path``: the socket file created mode 0600."""
     old = os.umask(0o177)
     try:
-        if path.exists():
+        if path.exists() or path.is_symlink():
             path.unlink()
-        sock.bind(RuntimePaths.ipc(path))
+        sock.bind(str(path) if isinstance(sock, socket.socket) else RuntimePaths.ipc(path))
     finally:
         os.umask(old)
 
