@@ -111,7 +111,8 @@ class EngineServer:
         self.kept: Any = None
         self.steps = 0
         self.overlapped_outputs = 0  # steps whose outputs were processed while a model step ran
-        group.while_waiting = self._process_kept_while_waiting
+        self.intake_while_waiting = 0  # waits during which arrived requests were taken in
+        group.while_waiting = self._while_waiting
         self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
                            P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer,
                            P.MetricsRequest: self._on_metrics}
@@ -321,6 +322,14 @@ class EngineServer:
             if budget is not None and time.monotonic() >= budget:
                 return
 
+    def _add_pending_until_reply(self) -> None:
+        """Add what arrived while the workers run a step, until a reply is in (then the step's
+        turnaround comes first; the rest waits for the next wait or gap)."""
+        while self.pending and not self.group.reply_waiting():
+            rid = next(iter(self.pending))
+            peer, msg = self.pending.pop(rid)
+            self._add(peer, msg)
+
     def _refuse(self, peer: bytes, rid: str, message: str, status: int, param: str | None = None) -> None:
         self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, message=message,
                                         status=status, param=param))
@@ -385,9 +394,14 @@ class EngineServer:
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:
-        """One engine-core step; the previous step's outputs are processed while its model runs."""
+        """One engine-core step; the previous step's outputs are processed, and requests that
+        arrive are taken in, while its model runs."""
         try:
-            outputs = self.halves.core_step()  # waiting for the workers, the group calls _process_kept
+            self.group.wake_on(self.frontend)  # a request arriving wakes the wait (_while_waiting)
+            try:
+                outputs = self.halves.core_step()  # waiting for the workers, the group calls _while_waiting
+            finally:
+                self.group.wake_on(None)
             self._process_kept()  # the step did not wait for the workers: nothing was scheduled
             self.kept = outputs
             self.steps += 1
@@ -398,13 +412,25 @@ class EngineServer:
         except Exception as exc:  # a worker's error, or vLLM's: its state is unknown now
             raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
 
-    def _process_kept_while_waiting(self) -> None:
+    def _while_waiting(self) -> None:
+        """The workers run a step's model: the last step's outputs go out, then the requests
+        that came meanwhile are taken in (tokenised, added to the scheduler's waiting queue),
+        both off the step's path. In `vllm serve` its API-server process does both beside the
+        engine core. A request added now is scheduled from the next step on, as in vLLM's own
+        engine core, which takes in what its input thread prepared between two steps.
+
+        Called again each time the wait wakes early (a gateway message: ``wake_on``)."""
         if self.kept is not None:
             self.overlapped_outputs += 1
             self._process_kept()
+        self._drain_frontend()
+        if self.pending:
+            self.intake_while_waiting += 1
+            self._add_pending_until_reply()
 
     def counters(self) -> str:
-        return f"{self.steps} step(s), the outputs of {self.overlapped_outputs} processed while the next one ran"
+        return (f"{self.steps} step(s), the outputs of {self.overlapped_outputs} processed while the next one ran, "
+                f"requests taken in during {self.intake_while_waiting} model run(s)")
 
     def _process_kept(self) -> None:
         """Process the kept core outputs (once: the group may call back again) and send the deltas."""

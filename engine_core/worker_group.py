@@ -149,8 +149,12 @@ class WorkerGroup:
     # The step deadline, when it changed (by a fifth or more) once the engine is warm.
     on_deadline: Callable[[float], None] = lambda seconds: None
     # Called before each wait for a reply: the engine processes the last step's outputs
-    # while the workers run this one (engine_core/step_halves.py).
+    # while the workers run this one (engine_core/step_halves.py), and takes in the
+    # requests that came meanwhile.
     while_waiting: Callable[[], None] = lambda: None
+    # While set (wake_on), a message on this socket ends a wait for the workers early, so
+    # that while_waiting runs again: the engine's gateway socket during a step.
+    waker: Any = None
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
     # Spin (poll without blocking) this long for a reply before blocking in the kernel:
@@ -180,6 +184,7 @@ class WorkerGroup:
         self.sockets = [None] * len(self.worker_paths)
         self.readers = [FrameReader() for _ in self.worker_paths]
         self.poller = zmq.Poller()  # it polls plain fds too
+        self.wake_poller = zmq.Poller()  # the same fds and the waker (wake_on)
         self.rank_of: dict[int, int] = {}  # fd -> rank
 
     @property
@@ -203,12 +208,14 @@ class WorkerGroup:
         self.sockets[rank] = sock
         self.rank_of[sock.fileno()] = rank
         self.poller.register(sock.fileno(), zmq.POLLIN)
+        self.wake_poller.register(sock.fileno(), zmq.POLLIN)
         return sock
 
     def _drop_rank(self, rank: int) -> None:
         sock = self.sockets[rank]
         if sock is not None:
             self.poller.unregister(sock.fileno())
+            self.wake_poller.unregister(sock.fileno())
             self.rank_of.pop(sock.fileno(), None)
             sock.close()
             self.sockets[rank] = None
@@ -217,6 +224,25 @@ class WorkerGroup:
     def close(self) -> None:
         for rank in range(len(self.sockets)):
             self._drop_rank(rank)
+
+    def wake_on(self, sock: Any) -> None:
+        """While ``sock`` is set, a message on it ends a wait for the workers early (None: only
+        replies, the deadline and signals do), so that ``while_waiting`` runs again and takes it in.
+
+        The engine sets its gateway socket for the length of a step only: requests that arrive
+        while the model runs are taken in then, off the step's path, and never while the
+        workers are busy with a call that is not a step (loading, sleeping)."""
+        if sock is self.waker:
+            return
+        if self.waker is not None:
+            self.wake_poller.unregister(self.waker)
+        self.waker = sock
+        if sock is not None:
+            self.wake_poller.register(sock, zmq.POLLIN)
+
+    def reply_waiting(self) -> bool:
+        """Whether a worker has sent something not read yet (a reply is in): no blocking."""
+        return bool(self.poller.poll(0))
 
     # ---- freezing ----------------------------------------------------------
     def _signal_all(self, sig: int) -> None:
@@ -293,11 +319,15 @@ class WorkerGroup:
                 self.on_deadline(call.timeout_s)
 
     def wait_once(self) -> None:
-        """Receive what the workers have sent, waiting no later than the oldest call's deadline."""
+        """Receive what the workers have sent, waiting no later than the oldest call's deadline.
+
+        Returns early, having read nothing, when the waker has a message (wake_on) or a
+        signal came: the caller (``PendingCall.result``) calls again, ``while_waiting`` first."""
         if not self.outstanding:
             raise RuntimeError("nothing is in flight")
         self.while_waiting()
         head = next(iter(self.outstanding.values()))
+        poller = self.poller if self.waker is None else self.wake_poller
         ready: dict = {}
         spin_from = self._spin_from(head)
         if spin_from is not None:
@@ -305,23 +335,25 @@ class WorkerGroup:
             if now < spin_from:
                 # event-proof: a wait in the kernel until the reply is due, while a call is in flight;
                 # the spin below starts then (a long step is not spun through from its start).
-                ready = dict(self.poller.poll(int((min(spin_from, head.deadline) - now) * 1000)))
+                ready = dict(poller.poll(int((min(spin_from, head.deadline) - now) * 1000)))
             end = time.monotonic() + self.spin_s
             while not ready and time.monotonic() < end:
                 # event-proof: a bounded spin only while a call is in flight (its reply is due
                 # now); after spin_s it blocks below, and nothing spins while idle.
-                ready = dict(self.poller.poll(0))
+                ready = dict(poller.poll(0))
                 if not ready:
                     os.sched_yield()  # whatever else is runnable gets the core (as vLLM's shm ring reader)
         if not ready:
             remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
             # event-proof: a wait in the kernel for a worker's reply, bounded by the
             # deadline of the oldest call in flight (armed only while one is).
-            ready = dict(self.poller.poll(remaining_ms))
+            ready = dict(poller.poll(remaining_ms))
+        if self.waker is not None:
+            ready.pop(self.waker, None)
         if not ready:
-            if time.monotonic() < head.deadline:
-                return  # woken early (a signal): wait again
-            self._hung(head)
+            if time.monotonic() >= head.deadline:  # (a waker that never falls silent included)
+                self._hung(head)
+            return  # woken early (the waker, a signal): wait again
         for fd in ready:
             rank = self.rank_of[fd]
             try:

@@ -57,6 +57,7 @@ class Engine:
         return Tokenizer()
 
     def add_request(self, rid, prompt, params, **kw):
+        self.events.append("added " + rid)
         self.requests[rid] = prompt  # registered before it fails, as vLLM can
         if rid in self.fail_add:
             raise RuntimeError("scheduler refused it")
@@ -112,11 +113,16 @@ def output(rid: str, token: int, finished: bool = False, logprobs=None):
 def server():
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://frontend")  # the gateway's end: server.gateway
     spec = EngineSpec(model=ModelConfig(name="m", model="/m"), runtime_dir="/tmp", incarnation="inc",
                       freezing=False, freeze_grace_s=0, worker_reply_timeout_s=60)
     engine = Engine()
-    group = SimpleNamespace(frozen=False, overlapped_steps=0)
+    group = SimpleNamespace(frozen=False, overlapped_steps=0, waker=None, replies_in=False)
+    group.wake_on = lambda sock: setattr(group, "waker", sock)
+    group.reply_waiting = lambda: group.replies_in
     srv = EngineServer(spec, engine, group, a, b, halves=Halves(engine))
+    srv.gateway = ctx.socket(zmq.PAIR)
+    srv.gateway.connect("inproc://frontend")
     engine.wait = lambda: group.while_waiting()
     srv.sent = []
     srv._send = lambda peer, msg: (srv.sent.append(msg), engine.events.append(
@@ -124,6 +130,7 @@ def server():
     # vLLM's request building is not under test (tests/test_engine_requests.py has it).
     srv._build = lambda msg: Built(msg.body["prompt"], SimpleNamespace(), 0, None, OutputSpec(chat=False, logprobs=0))
     yield srv
+    srv.gateway.close(0)
     a.close(0)
     b.close(0)
     ctx.term()
@@ -208,6 +215,38 @@ def test_a_duplicate_id_is_refused_whether_added_or_waiting(server):
     assert len(server.sent) == 2 and list(server.engine.requests) == ["r1"]
 
 
+def test_requests_arriving_while_the_model_runs_are_taken_in_then_until_a_reply_is_in(server):
+    """Off the step's path, as `vllm serve`'s API server prepares requests beside its engine core:
+    the step's wait is woken by the gateway socket (the group's waker, set for the step only)."""
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    arrivals = iter([["r2", "r3"], ["r4", "r5"]])
+
+    def model_runs():
+        assert server.group.waker is server.frontend  # a gateway message wakes this wait
+        for rid in next(arrivals):
+            server.gateway.send_multipart([PEER, P.encoder.encode(P.Generate(
+                request_id=rid, kind="completion", body={"prompt": "hi", "stream": True}))])
+        server.frontend.poll(1000)
+        server.group.while_waiting()
+
+    server.engine.wait = model_runs
+    server.engine.outputs = [output("r1", 5)]
+    server.engine.events.clear()
+    server._step()
+    assert server.engine.events == ["model starts", "added r2", "added r3", "model done"]
+    assert server.group.waker is None and not server.pending and server.intake_while_waiting == 1
+    # A reply is in: the step's turnaround comes first, the rest is added in the gap after it.
+    server.group.replies_in = True
+    server.engine.events.clear()
+    server._step()
+    assert server.engine.events == ["model starts", "processed r1", "sent r1:5", "model done"]
+    assert list(server.pending) == ["r4", "r5"]
+    server._add_pending()
+    assert list(server.engine.requests) == ["r1", "r2", "r3", "r4", "r5"]
+
+
 def step_kept(server) -> None:
     """Request r1 added and stepped once (token 5) while more steps follow: its output is kept."""
     generate(server, "r1")
@@ -233,7 +272,8 @@ def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_mod
                                     "processed r1", "sent r1:7"]
     assert server.kept is None and server.owner == {}
     assert (server.steps, server.overlapped_outputs) == (3, 2)
-    assert "3 step(s), the outputs of 2 processed while the next one ran" in server.counters()
+    assert ("3 step(s), the outputs of 2 processed while the next one ran, requests taken in during 0 model run(s)"
+            == server.counters())
 
 
 def test_kept_outputs_go_out_when_the_next_step_runs_no_model(server):

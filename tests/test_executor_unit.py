@@ -524,6 +524,67 @@ def test_the_engine_works_while_the_group_waits_for_a_reply_and_never_while_idle
     assert not g.outstanding and len(seen) == n  # nothing in flight: never called
 
 
+def test_a_message_on_the_waker_ends_the_wait_early_and_the_engine_works_again(ctx, tmp_path, doubles):
+    """During a step the engine's gateway socket wakes its wait for the workers: a request that
+    arrives while the model runs is taken in then (while_waiting), not after the step."""
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path)
+    g.spin_s = 0  # block at once: only the waker or the reply can end the wait
+    front, gateway = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    front.bind("inproc://waker-test")
+    gateway.connect("inproc://waker-test")
+    taken: list[bytes] = []
+
+    def while_waiting():
+        while front.poll(0):
+            taken.append(front.recv())
+
+    g.while_waiting = while_waiting
+    g.wake_on(front)
+    call = g.send("execute_model", (1,), None, tokens=1)
+    (cid, _, _), = d.wait_calls(1)
+    threading.Timer(0.05, gateway.send, (b"request",)).start()
+    d.reply_later(0.3, cid, "A")
+    start = time.monotonic()
+    g.wait_once()  # woken by the waker, the reply not in yet: returns having read nothing
+    assert time.monotonic() - start < 0.25 and not call.done() and g.waker is front
+    assert not g.reply_waiting()
+    until = time.monotonic() + 5
+    while not g.reply_waiting() and time.monotonic() < until:
+        time.sleep(0.01)
+    assert g.reply_waiting() and not call.done()  # in, not read yet
+    assert call.result() == ["A"] and taken == [b"request"]  # while_waiting ran again and took it
+    # Unset, the waker's messages wait: a call outside a step is not woken by them.
+    g.wake_on(None)
+    call = g.send("load_model", (), None)
+    cid, _, _ = d.wait_calls(2)[1]
+    threading.Timer(0.05, gateway.send, (b"later",)).start()
+    d.reply_later(0.2, cid, "B")
+    g.wait_once()  # one wait, ended by the reply alone
+    assert call.done() and call.result() == ["B"] and taken == [b"request"]
+    assert front.poll(0)  # "later" is still there for the engine's own loop
+    front.close(0)
+    gateway.close(0)
+
+
+def test_a_waker_that_never_falls_silent_does_not_postpone_the_deadline(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path, timeout=0.3)
+    g.spin_s = 0
+    front, gateway = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    front.bind("inproc://waker-flood")
+    gateway.connect("inproc://waker-flood")
+    gateway.send(b"never read")  # while_waiting leaves it there: every wait wakes at once
+    g.wake_on(front)
+    call = g.send("execute_model", (1,), None, tokens=1)
+    d.wait_calls(1)
+    with pytest.raises(WorkerHung):
+        call.result()
+    g.wake_on(None)
+    front.close(0)
+    gateway.close(0)
+
+
 def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, doubles):
     """A step whose size usually takes 0.3 s: the engine sleeps in the kernel until shortly before
     that, then spins (a spin from the start would burn the whole step on a core)."""
