@@ -112,6 +112,8 @@ class EngineServer:
         self.steps = 0
         self.overlapped_outputs = 0  # steps whose outputs were processed while a model step ran
         self.intake_while_waiting = 0  # waits during which arrived requests were taken in
+        self.in_step = False  # inside _step: gateway messages are taken in while its model runs
+        self.intake_error: Exception | None = None  # a gateway handler's failure mid-step, raised after it
         group.while_waiting = self._while_waiting
         self.on_gateway = {P.Hello: self._on_hello, P.Generate: self._on_generate, P.Abort: self._on_abort,
                            P.Stats: self._on_stats, P.Tokenizer: self._on_tokenizer,
@@ -397,11 +399,13 @@ class EngineServer:
         """One engine-core step; the previous step's outputs are processed, and requests that
         arrive are taken in, while its model runs."""
         try:
+            self.in_step = True
             self.group.wake_on(self.frontend)  # a request arriving wakes the wait (_while_waiting)
             try:
                 outputs = self.halves.core_step()  # waiting for the workers, the group calls _while_waiting
             finally:
                 self.group.wake_on(None)
+                self.in_step = False
             self._process_kept()  # the step did not wait for the workers: nothing was scheduled
             self.kept = outputs
             self.steps += 1
@@ -411,6 +415,9 @@ class EngineServer:
             raise
         except Exception as exc:  # a worker's error, or vLLM's: its state is unknown now
             raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
+        if self.intake_error is not None:  # a gateway message's handler failed mid-step: not the model's
+            exc, self.intake_error = self.intake_error, None
+            raise exc
 
     def _while_waiting(self) -> None:
         """The workers run a step's model: the last step's outputs go out, then the requests
@@ -419,14 +426,23 @@ class EngineServer:
         engine core. A request added now is scheduled from the next step on, as in vLLM's own
         engine core, which takes in what its input thread prepared between two steps.
 
-        Called again each time the wait wakes early (a gateway message: ``wake_on``)."""
+        Called again each time the wait wakes early (a gateway message: ``wake_on``). Only
+        during a step (``in_step``): the workers' other calls (loading, a release to sleep) take
+        no requests in. A handler that fails here is raised after the step, not as the model's
+        failure."""
         if self.kept is not None:
             self.overlapped_outputs += 1
             self._process_kept()
-        self._drain_frontend()
-        if self.pending:
-            self.intake_while_waiting += 1
-            self._add_pending_until_reply()
+        if not self.in_step or self.intake_error is not None:
+            return  # a call that is not a step (loading, the calls of a release to sleep): requests wait
+        try:
+            self._drain_frontend()
+            if self.pending:
+                self.intake_while_waiting += 1
+                self._add_pending_until_reply()
+        except Exception as exc:  # raised once the step is through, as the loop's own would be
+            self.intake_error = exc
+            self.group.wake_on(None)  # the rest of the step's wait is woken by its reply alone
 
     def counters(self) -> str:
         return (f"{self.steps} step(s), the outputs of {self.overlapped_outputs} processed while the next one ran, "

@@ -247,6 +247,43 @@ def test_requests_arriving_while_the_model_runs_are_taken_in_then_until_a_reply_
     assert list(server.engine.requests) == ["r1", "r2", "r3", "r4", "r5"]
 
 
+def send_generate(server, rid: str) -> None:
+    server.gateway.send_multipart([PEER, P.encoder.encode(P.Generate(
+        request_id=rid, kind="completion", body={"prompt": "hi", "stream": True}))])
+    server.frontend.poll(1000)
+
+
+def test_a_wait_for_the_workers_outside_a_step_takes_no_request_in(server):
+    """The workers' other calls (loading, the calls of a release to sleep) wait without intake:
+    a request taken in then would be added to an engine about to sleep."""
+    send_generate(server, "r1")
+    server.group.while_waiting()  # e.g. the wait of a collective_rpc made by a Release
+    assert not server.engine.requests and not server.pending and server.frontend.poll(0)
+    server._drain_frontend()
+    assert list(server.pending) == ["r1"]
+
+
+def test_a_gateway_handler_failing_mid_step_fails_after_the_step_and_not_as_the_model(server, monkeypatch):
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    monkeypatch.setitem(server.on_gateway, P.Abort, lambda peer, msg: (_ for _ in ()).throw(KeyError("handler bug")))
+
+    def model_runs():
+        server.gateway.send_multipart([PEER, P.encoder.encode(P.Abort(request_ids=["r1"]))])
+        server.frontend.poll(1000)
+        server.group.while_waiting()
+        assert server.group.waker is None  # woken by the reply alone from here on
+        server.group.while_waiting()  # (woken again: nothing more is taken in)
+
+    server.engine.wait = model_runs
+    server.engine.events.clear()
+    with pytest.raises(KeyError, match="handler bug"):
+        server._step()
+    assert server.engine.events == ["model starts", "model done"] and server.steps == 1
+    assert server.intake_error is None and server.in_step is False
+
+
 def step_kept(server) -> None:
     """Request r1 added and stepped once (token 5) while more steps follow: its output is kept."""
     generate(server, "r1")
