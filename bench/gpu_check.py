@@ -296,11 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-        report["seconds"] = round(time.monotonic() - t0, 1)
-        if p.json:
-            p.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"gpu_check {'passed' if report['ok'] else 'failed'} in {report['seconds']} s"
-          + (" (dry run: no GPU figures)" if p.dry_run else ""), flush=True)
+    return finish("gpu_check", report, t0, p.json, " (dry run: no GPU figures)" if p.dry_run else "")
+
+
+def finish(tool: str, report: dict, t0: float, json_path: Path | None, note: str) -> int:
+    """A check's last words: its time, the JSON report if asked for, one line, the exit status."""
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"{tool} {'passed' if report['ok'] else 'failed'} in {report['seconds']} s{note}", flush=True)
     return 0 if report["ok"] else 1
 
 

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from bench import run as B
+from bench.gpu_check import CheckFailed, cuda_host, finish
 from bench.idle_release import MODEL, IdleDaemon, config_text
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,23 +48,9 @@ KV_BYTES_GPU = 1 << 30
 GIB = float(1 << 30)
 
 
-class CheckFailed(Exception):
-    pass
-
-
 def check(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailed(message)
-
-
-def cuda_host() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed"
-    if not B.machine().get("gpu"):
-        return "no NVIDIA GPU found (nvidia-smi)"
-    return None
 
 
 def device_used_bytes() -> int | None:
@@ -172,12 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(d.log(f"engine_core:{MODEL}").splitlines()[-15:]), file=sys.stderr)
     finally:
         d.stop()
-        report["seconds"] = round(time.monotonic() - t0, 1)
-        if p.json:
-            p.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"gpu_sleep_check {'passed' if report['ok'] else 'failed'} in {report['seconds']} s"
-          + (" (dry run: sleep falls back to unload on CPU; no GPU figures)" if p.dry_run else ""), flush=True)
-    return 0 if report["ok"] else 1
+    return finish("gpu_sleep_check", report, t0, p.json,
+                  " (dry run: sleep falls back to unload on CPU; no GPU figures)" if p.dry_run else "")
 
 
 if __name__ == "__main__":

@@ -104,10 +104,7 @@ class IdleDaemon:
         first = None
         text = []
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            for line in r:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in B.sse_events(r):
                 if "error" in chunk:
                     raise RuntimeError(f"stream failed: {chunk['error']}")
                 piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""

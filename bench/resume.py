@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.run import sse_events  # noqa: E402
+
 PROMPTS = ["def ", "import ", "class ", "for ", "x = ", "return ", "if ", "with "]
 TOKENS = 120
 
@@ -53,11 +55,7 @@ class Stream(threading.Thread):
             "model": "default", "prompt": self.prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             if "error" in event:
                 self.errors.append(event["error"])
             elif event.get("usage"):

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,15 @@ MAX_MODEL_LEN = 512
 # AMX CPUs, and `vllm serve`'s worker dies of SIGILL there (nothing asks Linux
 # for AMX tile permission first; servectl's worker does). Same setting for both.
 DTYPE = "float32"
+
+
+def sse_events(lines) -> Iterator[dict]:
+    """The JSON events of a streamed response read line by line (http.client and urllib split
+    at LF, as SSE does; never ``str.splitlines``: a JSON string may hold U+2028 unescaped)."""
+    for raw in lines:
+        line = raw.rstrip(b"\r\n")
+        if line.startswith(b"data: {"):
+            yield json.loads(line[6:])
 
 
 def free_port() -> int:

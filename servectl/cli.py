@@ -314,13 +314,7 @@ def status(runtime_dir, as_json):
 @click.argument("model", required=False)
 def restart(runtime_dir, model):
     """Restart one model's engine group (clears `failed`), or every group one at a time."""
-    client = client_for(runtime_dir)
-    try:
-        reply = client.request(P.RestartRequest(model=model))
-    except NotRunning as exc:
-        not_running(exc)
-    say(console if reply.ok else err, reply.message)
-    sys.exit(0 if reply.ok else 1)
+    ack_or_exit(runtime_dir, P.RestartRequest(model=model))
 
 
 def ack_or_exit(runtime_dir, msg, timeout: float = 10) -> None:
@@ -379,13 +373,7 @@ def unload(runtime_dir, name):
 @click.argument("state", type=click.Choice(["on", "off"]))
 def freeze(runtime_dir, model, state):
     """Turn freezing of a model's idle workers on or off (diagnostics)."""
-    client = client_for(runtime_dir)
-    try:
-        reply = client.request(P.SetFreezing(model=model, enabled=state == "on"))
-    except NotRunning as exc:
-        not_running(exc)
-    say(console if reply.ok else err, reply.message)
-    sys.exit(0 if reply.ok else 1)
+    ack_or_exit(runtime_dir, P.SetFreezing(model=model, enabled=state == "on"))
 
 
 @main.command()

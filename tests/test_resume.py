@@ -22,6 +22,7 @@ from http.client import HTTPConnection
 
 import pytest
 
+from bench.run import sse_events
 from conftest import DaemonFactory, assert_nothing_running, http, wait_for
 
 MAX = 150
@@ -91,11 +92,7 @@ class Client(threading.Thread):
         if resp.status != 200:
             self.errors.append((resp.status, resp.read()[:300]))
             return
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             if "error" in event:
                 self.errors.append(event["error"])
                 continue
