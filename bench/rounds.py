@@ -4,6 +4,7 @@
     python -m bench.rounds --rounds 5 --concurrency 1,16,64
     python -m bench.rounds --only servectl --env-b OMP_NUM_THREADS=2   # an A/B of servectl settings
     python -m bench.rounds --only servectl --engine-arg-b async_scheduling=true
+    python -m bench.rounds --pool bench/results/A.json bench/results/B.json   # all their rounds' medians
 
 One round starts a server, warms it up (a short run, not counted), drives it
 with vLLM's own serving benchmark at each concurrency (streaming), then with
@@ -141,6 +142,22 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in items)
 
 
+def pool(paths: list[Path]) -> tuple[dict, str, str]:
+    """The raw rounds of several result files of the same two servers as one result: the medians
+    and spreads of all their rounds (how docs/performance.md pools runs)."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    names = [list(r["raw"]) for r in runs]
+    if any(n != names[0] for n in names):
+        raise SystemExit(f"--pool: the files compare different servers: {names}")
+    a, b = names[0]
+    raw = {name: [rnd for r in runs for rnd in r["raw"][name]] for name in (a, b)}
+    res = {"date": ", ".join(r["date"] for r in runs), "machine": runs[0]["machine"],
+           "rounds": min(len(raw[a]), len(raw[b])), "params": runs[0]["params"],
+           "pooled": [str(path) for path in paths], "raw": raw}
+    res["summary"] = {name: summarize(raw[name]) for name in (a, b)}
+    return res, a, b
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.rounds", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,7 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--tag", default="rounds")
+    ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                    help="no servers: the medians of all the rounds of these result files together")
     p = ap.parse_args(argv)
+    if p.pool:
+        res, a, b = pool(p.pool)
+        print(markdown(res, a, b))
+        return 0
     concurrency = [int(c) for c in p.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="servectl-rounds-"))
     standby = not p.no_standby
