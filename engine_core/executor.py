@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 
+from engine_core.step_calls import StepCalls
 from engine_core.worker_group import (  # noqa: F401  (the engine's names for them)
     EXECUTE_AND_SAMPLE,
     PendingCall,
-    StepCalls,
     WorkerGroup,
     WorkerHung,
 )

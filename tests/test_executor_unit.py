@@ -25,7 +25,8 @@ import pytest
 import zmq
 
 from engine_core.signing import Signer
-from engine_core.worker_group import EXECUTE_AND_SAMPLE, StepCalls, WorkerGroup, WorkerHung
+from engine_core.step_calls import StepCalls
+from engine_core.worker_group import EXECUTE_AND_SAMPLE, WorkerGroup, WorkerHung
 from worker_double import WorkerDouble, elapsed
 
 pytestmark = pytest.mark.unit
@@ -73,7 +74,7 @@ def doubles(ctx, tmp_path):
 
 
 def test_modules_import_no_vllm_or_torch():
-    code = ("import sys, engine_core.worker_group, engine_core.worker, engine_core.signing; "
+    code = ("import sys, engine_core.worker_group, engine_core.step_calls, engine_core.worker, engine_core.signing; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
