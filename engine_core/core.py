@@ -319,9 +319,7 @@ class EngineServer:
         """Add what arrived, all of it when idle, else for ADD_BUDGET_S (at least one)."""
         budget = None if not self.engine.has_unfinished_requests() else time.monotonic() + ADD_BUDGET_S
         while self.pending:
-            rid = next(iter(self.pending))
-            peer, msg = self.pending.pop(rid)
-            self._add(peer, msg)
+            self._add(*self.pending.pop(next(iter(self.pending))))
             if budget is not None and time.monotonic() >= budget:
                 return
 
@@ -329,9 +327,7 @@ class EngineServer:
         """Add what arrived while the workers run a step, until a reply is in (then the step's
         turnaround comes first; the rest waits for the next wait or gap)."""
         while self.pending and not self.group.reply_waiting():
-            rid = next(iter(self.pending))
-            peer, msg = self.pending.pop(rid)
-            self._add(peer, msg)
+            self._add(*self.pending.pop(next(iter(self.pending))))
 
     def _refuse(self, peer: bytes, rid: str, message: str, status: int, param: str | None = None) -> None:
         self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, message=message,
