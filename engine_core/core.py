@@ -97,10 +97,9 @@ class EngineServer:
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
-        # When the last request finished (the busy→idle transition): monotonic for the
-        # deadlines, wall clock for the manager's status.
+        # When the last request finished (the busy→idle transition), monotonic: the idle
+        # deadlines; the manager's status gets it on the wall clock (idle_since_wall).
         self.idle_since = time.monotonic()
-        self.idle_since_wall = time.time()
         self.idle = IdleRelease(engine, spec.idle_release_s, release_mode, spec.sleep_level, device_memory)
         # Async scheduling: steps still in vLLM's batch queue are work in flight
         # even when no request is unfinished (one may have finished meanwhile).
@@ -149,9 +148,15 @@ class EngineServer:
             if self.engine.has_unfinished_requests() or in_flight or self.kept is not None:
                 self._step()
                 self.idle_since = time.monotonic()
-                self.idle_since_wall = time.time()
                 self.idle.worked()
-                self._check_drained()
+                if self.draining:
+                    self._check_drained()
+
+    @property
+    def idle_since_wall(self) -> float:
+        """When the engine last worked, on the wall clock (for the manager's status): derived
+        from ``idle_since``, so a step reads one clock, not two."""
+        return time.time() - (time.monotonic() - self.idle_since)
 
     # ---- idle: one-shot deadlines armed on the busy→idle transition -------------------
     def _idle_ms(self) -> int:
@@ -278,7 +283,6 @@ class EngineServer:
     def _on_wake(self, msg: MP.Wake) -> None:
         if self.idle.wake():
             self.idle_since = time.monotonic()
-            self.idle_since_wall = time.time()
             self.say_ready()
 
     def say_ready(self) -> None:

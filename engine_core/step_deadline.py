@@ -42,6 +42,12 @@ class StepDeadline:
         self.buckets: dict[int, deque[float]] = {}
         self._p99: dict[int, float] = {}  # cached per bucket, refreshed as samples come
         self._p10: dict[int, float] = {}  # the early end of the same: when a reply starts to be due
+        # Buckets whose percentiles are stale: observe() only marks them and refresh() sorts, so
+        # neither a step's reply nor the next step's call waits for a sort. Queries answer from
+        # the last refresh (the group's, while it waits for a reply: one step behind at most);
+        # a bucket never refreshed yet is refreshed by the first query that needs it.
+        self._stale: set[int] = set()
+        self._estimates: dict[int, float | None] = {}  # _estimate per bucket, until a refresh
         self.kinds_seen: set[str] = set()  # StepKinds of the steps that finished
 
     @staticmethod
@@ -56,12 +62,23 @@ class StepDeadline:
             self.kinds_seen.update(kinds)
             return  # a first-use step (compiling, maybe): not a sample of how long steps take
         b = self.bucket(tokens)
-        window = self.buckets.setdefault(b, deque(maxlen=WINDOW))
+        window = self.buckets.get(b)
+        if window is None:
+            window = self.buckets[b] = deque(maxlen=WINDOW)
         window.append(seconds)
         if len(window) < 32 or len(window) % 8 == 0:  # a sort of <= 256 floats now and then
-            ordered = sorted(window)
+            self._stale.add(b)
+
+    def refresh(self) -> None:
+        """Recompute the percentiles of the buckets observed since the last refresh."""
+        if not self._stale:
+            return
+        for b in self._stale:
+            ordered = sorted(self.buckets[b])
             self._p99[b] = ordered[min(len(ordered) - 1, int(PERCENTILE * len(ordered)))]
             self._p10[b] = ordered[int(0.1 * len(ordered))]
+        self._stale.clear()
+        self._estimates.clear()
 
     def timeout_for(self, tokens: int | None, kinds: Iterable[str] = ()) -> float:
         """The deadline for a call: a step of ``tokens`` tokens needing ``kinds``, or (None) any other call."""
@@ -69,7 +86,10 @@ class StepDeadline:
             return self.generous_s
         if not self.kinds_seen.issuperset(kinds):
             return self.generous_s  # the first step that needs it may compile it
-        estimate = self._estimate(self.bucket(tokens))
+        b = self.bucket(tokens)
+        if b in self._stale and b not in self._p99:
+            self.refresh()
+        estimate = self._estimates[b] if b in self._estimates else self._estimates.setdefault(b, self._estimate(b))
         if estimate is None:
             return self.generous_s
         return min(self.generous_s, max(self.floor_s, self.multiple * estimate))
@@ -81,6 +101,8 @@ class StepDeadline:
         window = self.buckets.get(b)
         if window is None or len(window) < MIN_SAMPLES:
             return None
+        if b not in self._p10:
+            self.refresh()
         return self._p10.get(b)
 
     def _estimate(self, b: int) -> float | None:

@@ -142,7 +142,7 @@ class Replies:
 
     def forward(self) -> None:
         """Write every reply the output thread has finished to its connection (never waits for one)."""
-        while True:
+        while self.in_thread:  # none handed over: nothing to ask the pair for
             try:
                 peer, mac, payload = self.pair.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

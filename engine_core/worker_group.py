@@ -6,7 +6,7 @@ side), so the call logic is tested on its own against a worker double
 
 Calls. ``send`` signs one call per worker, all before any reply is awaited
 (``init_device`` is a rendezvous between ranks), and returns a
-``PendingCall``, a ``concurrent.futures.Future``. Several calls may be in
+``PendingCall``, a lock-free stand-in for a ``concurrent.futures.Future``. Several calls may be in
 flight at once (vLLM's batch queue keeps two steps outstanding under async
 scheduling). Workers answer in the order they were called, and the futures
 settle in that order too: a reply that arrives for another outstanding call
@@ -83,17 +83,24 @@ def method_name(method: Any) -> str:
     return method if isinstance(method, str) else "<callable>"
 
 
-class PendingCall(Future):
+class PendingCall:
     """One call to every worker of the group; its result is the list of per-rank values.
 
     ``pick`` (a rank) makes the result that rank's value alone. ``result()``
     waits through the group (on the caller's thread) until this call settles;
     a timeout other than None is not supported (the group's deadline rules).
+
+    It has the surface of a ``concurrent.futures.Future`` that vLLM's engine
+    core uses (``result``, ``done``, ``exception``, ``add_done_callback``) but
+    none of its locking: a group and its calls belong to the engine's one
+    thread, and a Future's condition variable, made with every call and
+    notified with every reply, is per-step work on the step's path.
     """
+
+    _NOT_SET = object()
 
     def __init__(self, group: "WorkerGroup", call_id: int, method: str, ranks: int, timeout_s: float,
                  pick: int | None, tokens: int | None = None, kinds: frozenset[str] = frozenset()):
-        super().__init__()
         self.group = group
         self.call_id = call_id
         self.method = method
@@ -107,18 +114,71 @@ class PendingCall(Future):
         self.armed_at = 0.0
         self.tokens = tokens  # a step's scheduled tokens; None for any other call
         self.kinds = kinds  # what the step's batch needs of the sampler (step_deadline.StepKinds)
+        self._value: Any = self._NOT_SET
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["PendingCall"], Any]] = []
 
     @property
     def complete(self) -> bool:
+        """Every rank has answered (it settles once every older call has too)."""
         return not self.waiting
+
+    # ---- the Future surface ------------------------------------------------------
+    def done(self) -> bool:
+        return self._error is not None or self._value is not self._NOT_SET
+
+    def running(self) -> bool:
+        return not self.done()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False  # a call sent to the workers cannot be taken back
 
     def result(self, timeout: float | None = None) -> Any:
         if timeout is not None:
             raise RuntimeError("PendingCall.result: the group's reply deadline applies, not a timeout")
         while not self.done():
             self.group.wait_once()
-        return super().result()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except Exception as exc:  # noqa: BLE001 - what result() raises is the answer
+            return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[["PendingCall"], Any]) -> None:
+        if self.done():
+            self._call(fn)
+        else:
+            self._callbacks.append(fn)
+
+    def set_result(self, value: Any) -> None:
+        self._finish(value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._finish(self._NOT_SET, exc)
+
+    def _finish(self, value: Any, exc: BaseException | None) -> None:
+        if self.done():
+            raise RuntimeError(f"{self!r} settled twice")
+        self._value, self._error = value, exc
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[["PendingCall"], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:  # as concurrent.futures does: a callback's failure is logged, not raised
+            log.exception("a callback of %r failed", self)
+
+    # ---- the group's side -------------------------------------------------------------
     def _settle(self) -> None:
         if self.errors:
             self.set_exception(WorkerCallFailed(f"worker call {self.method} failed: " + "\n".join(self.errors),
@@ -155,6 +215,7 @@ class WorkerGroup:
     # While set (wake_on), a message on this socket ends a wait for the workers early, so
     # that while_waiting runs again: the engine's gateway socket during a step.
     waker: Any = None
+    _registered_waker: Any = None  # the waker kept registered with wake_poller
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
     # Spin (poll without blocking) this long for a reply before blocking in the kernel:
@@ -185,6 +246,7 @@ class WorkerGroup:
         self.readers = [FrameReader() for _ in self.worker_paths]
         self.poller = zmq.Poller()  # it polls plain fds too
         self.wake_poller = zmq.Poller()  # the same fds and the waker (wake_on)
+        self._registered_waker = None
         self.rank_of: dict[int, int] = {}  # fd -> rank
 
     @property
@@ -231,14 +293,15 @@ class WorkerGroup:
 
         The engine sets its gateway socket for the length of a step only: requests that arrive
         while the model runs are taken in then, off the step's path, and never while the
-        workers are busy with a call that is not a step (loading, sleeping)."""
-        if sock is self.waker:
-            return
-        if self.waker is not None:
-            self.wake_poller.unregister(self.waker)
-        self.waker = sock
-        if sock is not None:
+        workers are busy with a call that is not a step (loading, sleeping). The socket stays
+        registered with ``wake_poller`` (used only while a waker is set), so setting and
+        clearing it each step costs no poller change."""
+        if sock is not None and sock is not self._registered_waker:
+            if self._registered_waker is not None:
+                self.wake_poller.unregister(self._registered_waker)
             self.wake_poller.register(sock, zmq.POLLIN)
+            self._registered_waker = sock
+        self.waker = sock
 
     def reply_waiting(self) -> bool:
         """Whether a worker has sent something not read yet (a reply is in): no blocking."""
@@ -326,6 +389,7 @@ class WorkerGroup:
         if not self.outstanding:
             raise RuntimeError("nothing is in flight")
         self.while_waiting()
+        self.deadlines.refresh()  # the step deadline's percentiles, off the step's path
         head = next(iter(self.outstanding.values()))
         poller = self.poller if self.waker is None else self.wake_poller
         ready: dict = {}

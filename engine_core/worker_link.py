@@ -32,7 +32,7 @@ HEADER = struct.Struct("!Q32s")  # payload length, HMAC-SHA256 of the payload
 MAX_PAYLOAD = 1 << 31  # a step's pickled SchedulerOutput is KiB to a few MiB; 2 GiB is not a call
 READ_CHUNK = 1 << 16
 MAX_READ = 1 << 24  # one recv's buffer is allocated up front: never the whole of a claimed length
-JOIN_BELOW = 1 << 16  # smaller messages go out in one write (header + payload joined)
+JOIN_BELOW = 1 << 16  # smaller messages go out as one joined buffer (header + payload)
 
 
 class FrameError(Exception):
@@ -86,12 +86,19 @@ class FrameReader:
 def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[bytes]], bool]:
     """Read what the socket holds now, without blocking: (complete frames, the peer hung up).
 
+    A read shorter than asked for took everything the socket held (a stream
+    socket's recv returns what is queued, up to the size), so reading stops
+    there: no second recv only to be told EAGAIN, with its exception, on every
+    step's call and reply. Whatever arrives later, a hang-up included, makes the
+    socket readable again for the owner's next poll.
+
     The socket must be in blocking mode (no timeout): Python waits out a socket's
     timeout before each recv, whatever the flags."""
     frames: list[list[bytes]] = []
     while True:
+        want = min(MAX_READ, max(READ_CHUNK, reader.wanted()))
         try:
-            data = sock.recv(min(MAX_READ, max(READ_CHUNK, reader.wanted())), socket.MSG_DONTWAIT)
+            data = sock.recv(want, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return frames, False
         except (ConnectionResetError, BrokenPipeError):
@@ -99,25 +106,37 @@ def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[
         if not data:
             return frames, True
         frames.extend(reader.feed(data))
+        if len(data) < want:
+            return frames, False
 
 
 def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None = None) -> None:
     """Write one signed message; ``timeout``: raise ``TimeoutError`` if the peer does not read it in time.
 
-    The sockets stay in blocking mode: a message the socket buffer cannot take
-    waits for the peer to read (a big prefill's call while the worker still
-    runs the step before it), bounded by ``timeout`` where the caller has a
-    deadline."""
+    The message goes out in one non-blocking ``sendmsg`` (header and payload
+    gathered, no copy of the payload): a step's call or reply fits the socket
+    buffer, so that is one syscall on the step's path. Only what the buffer
+    cannot take (a big prefill's call while the worker still runs the step
+    before it) waits for the peer to read, bounded by ``timeout`` where the
+    caller has a deadline; the sockets stay in blocking mode throughout."""
     mac, payload = frames
     header = HEADER.pack(len(payload), mac)
+    small = len(payload) < JOIN_BELOW
+    data = header + payload if small else None
+    try:  # socket.send of one joined buffer is the cheaper call; sendmsg gathers a big payload uncopied
+        sent = sock.send(data, socket.MSG_DONTWAIT) if small else sock.sendmsg((header, payload), (), socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
+    if sent == len(header) + len(payload):
+        return
+    rest = [memoryview(data)[sent:]] if small else [memoryview(header)[sent:],
+                                                    memoryview(payload)[max(0, sent - len(header)):]]
     if timeout is not None:
         sock.settimeout(max(timeout, 1e-3))
     try:
-        if len(payload) < JOIN_BELOW:
-            sock.sendall(header + payload)
-        else:  # no copy of a big payload
-            sock.sendall(header)
-            sock.sendall(payload)
+        for part in rest:
+            if len(part):
+                sock.sendall(part)
     finally:
         if timeout is not None:
             sock.settimeout(None)

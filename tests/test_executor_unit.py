@@ -390,6 +390,10 @@ def test_step_deadline_is_generous_until_warm_and_for_what_it_has_not_seen():
     assert d.timeout_for(8) == 5  # ... and does not stretch the small steps'
     for _ in range(100):
         d.observe(0.5, 8)
+    # Queries answer from the last refresh: the group refreshes while it waits for a reply, so
+    # neither the reply's settling nor the next call sorts on the step's path.
+    assert d.timeout_for(8) == 5
+    d.refresh()
     assert d.timeout_for(8) == 10  # decode got slower (a loaded machine): its deadline follows
     slow = StepDeadline(generous_s=30, floor_s=5, multiple=20, warmup=1)
     for _ in range(8):
@@ -608,3 +612,40 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
     cid = d.wait_calls(2)[1][0]
     d.reply_later(0.02, cid, "B")
     assert call.result() == ["B"] and all(t == 0 for t in polls)
+
+
+# ---- PendingCall: the Future surface vLLM's engine core uses, without a Future's locks -----
+
+def test_a_pending_call_answers_as_a_future_does(caplog):
+    from engine_core.worker_group import PendingCall, WorkerCallFailed
+
+    waits = []
+    group = SimpleNamespace(wait_once=lambda: (waits.append(1), call.set_result(["v"])))
+    call = PendingCall(group, 1, "execute_model", 1, 5.0, pick=None)
+    seen = []
+    call.add_done_callback(lambda f: seen.append(("early", f.done())))
+    assert not call.done() and call.running() and not call.cancelled() and not call.cancel()
+    assert call.result() == ["v"] and waits == [1]  # result() waits through the group
+    assert call.done() and not call.running() and call.exception() is None
+    call.add_done_callback(lambda f: seen.append(("late", f.result())))  # done: called at once
+    assert seen == [("early", True), ("late", ["v"])]
+    with pytest.raises(RuntimeError, match="settled twice"):
+        call.set_result(["again"])
+    with pytest.raises(RuntimeError, match="not a timeout"):
+        call.result(timeout=1)
+
+    failed = PendingCall(SimpleNamespace(wait_once=lambda: None), 2, "load_model", 2, 5.0, pick=0)
+    failed.errors.append("rank 1: boom")
+    failed.waiting.clear()
+    failed.add_done_callback(lambda f: 1 / 0)  # a callback's failure is logged, never raised
+    failed._settle()
+    assert isinstance(failed.exception(), WorkerCallFailed)
+    with pytest.raises(WorkerCallFailed, match="load_model failed: rank 1: boom"):
+        failed.result()
+    assert "a callback of" in caplog.text
+
+    picked = PendingCall(SimpleNamespace(wait_once=lambda: None), 3, "m", 2, 5.0, pick=1)
+    picked.values[:] = ["rank 0", "rank 1"]
+    picked.waiting.clear()
+    picked._settle()
+    assert picked.result() == "rank 1"
