@@ -45,7 +45,7 @@ class StepDeadline:
         # Buckets whose percentiles are stale: observe() only marks them and refresh() sorts, so
         # neither a step's reply nor the next step's call waits for a sort. Queries answer from
         # the last refresh (the group's, while it waits for a reply: one step behind at most);
-        # a bucket never refreshed yet is refreshed by the first query that needs it.
+        # samples of a bucket never computed yet are taken in by the first query (_first_samples).
         self._stale: set[int] = set()
         self._estimates: dict[int, float | None] = {}  # _estimate per bucket, until a refresh
         self.kinds_seen: set[str] = set()  # StepKinds of the steps that finished
@@ -80,15 +80,20 @@ class StepDeadline:
         self._stale.clear()
         self._estimates.clear()
 
+    def _first_samples(self) -> None:
+        """Refresh now if a stale bucket has never been computed (the first samples of a size);
+        otherwise a query answers from the last refresh."""
+        if self._stale and not self._stale.issubset(self._p99):
+            self.refresh()
+
     def timeout_for(self, tokens: int | None, kinds: Iterable[str] = ()) -> float:
         """The deadline for a call: a step of ``tokens`` tokens needing ``kinds``, or (None) any other call."""
         if tokens is None or self.steps < self.warmup:
             return self.generous_s
         if not self.kinds_seen.issuperset(kinds):
             return self.generous_s  # the first step that needs it may compile it
+        self._first_samples()
         b = self.bucket(tokens)
-        if b in self._stale and b not in self._p99:
-            self.refresh()
         estimate = self._estimates[b] if b in self._estimates else self._estimates.setdefault(b, self._estimate(b))
         if estimate is None:
             return self.generous_s
@@ -101,8 +106,7 @@ class StepDeadline:
         window = self.buckets.get(b)
         if window is None or len(window) < MIN_SAMPLES:
             return None
-        if b not in self._p10:
-            self.refresh()
+        self._first_samples()
         return self._p10.get(b)
 
     def _estimate(self, b: int) -> float | None:

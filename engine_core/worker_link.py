@@ -113,18 +113,22 @@ def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[
 def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None = None) -> None:
     """Write one signed message; ``timeout``: raise ``TimeoutError`` if the peer does not read it in time.
 
-    The message goes out in one non-blocking ``sendmsg`` (header and payload
-    gathered, no copy of the payload): a step's call or reply fits the socket
-    buffer, so that is one syscall on the step's path. Only what the buffer
-    cannot take (a big prefill's call while the worker still runs the step
-    before it) waits for the peer to read, bounded by ``timeout`` where the
-    caller has a deadline; the sockets stay in blocking mode throughout."""
+    The message goes out in one non-blocking call: ``send`` of the joined
+    buffer below ``JOIN_BELOW`` (a step's call or reply), ``sendmsg`` gathering
+    header and payload uncopied above it. That fits the socket buffer as a
+    rule, so it is one syscall on the step's path. Only what the buffer cannot
+    take (a big prefill's call while the worker still runs the step before
+    it) waits for the peer to read, bounded by ``timeout`` where the caller
+    has a deadline; the sockets stay in blocking mode throughout."""
     mac, payload = frames
     header = HEADER.pack(len(payload), mac)
     small = len(payload) < JOIN_BELOW
     data = header + payload if small else None
-    try:  # socket.send of one joined buffer is the cheaper call; sendmsg gathers a big payload uncopied
-        sent = sock.send(data, socket.MSG_DONTWAIT) if small else sock.sendmsg((header, payload), (), socket.MSG_DONTWAIT)
+    try:  # send of one joined buffer is the cheaper call; sendmsg gathers a big payload uncopied
+        if small:
+            sent = sock.send(data, socket.MSG_DONTWAIT)
+        else:
+            sent = sock.sendmsg((header, payload), (), socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         sent = 0
     if sent == len(header) + len(payload):
