@@ -4,6 +4,15 @@ Every frame is ``[mac, payload]`` with ``mac = HMAC-SHA256(key, payload)``, the
 key generated per engine group by the manager and handed over through an
 inherited pipe (never argv or the environment). The signature is checked
 before a byte is unpickled (as Jupyter's wire protocol does).
+
+The MAC is RFC 2104's HMAC-SHA256, computed from the key's two padded SHA-256
+states made once per ``Signer`` and copied per message, rather than with
+``hmac.new`` per message: with OpenSSL 3, ``hmac.new`` fetches the digest and
+sets up an HMAC context on every call, which on a decode step's path (code
+and caches cold again by the next step) measured 64 µs for a 384-byte reply
+against 38 µs for the two copies; four MACs are on every step's path (each
+side signs one message and checks one). Same bytes as ``hmac.new`` for any
+key (tests/test_signing_unit.py).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import pickle
 from typing import Any
 
 KEY_BYTES = 32
+BLOCK = 64  # SHA-256's block size, HMAC's pad length
 
 
 def read_key(fd: int) -> bytes:
@@ -38,11 +48,19 @@ class BadSignature(Exception):
 
 class Signer:
     def __init__(self, key: bytes):
-        self._key = key
         self.rejected = 0
+        # RFC 2104: a key longer than SHA-256's block is hashed first, then zero-padded to the block.
+        block = (key if len(key) <= BLOCK else hashlib.sha256(key).digest()).ljust(BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))  # never updated: only copied
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
     def mac(self, payload: bytes | memoryview) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()
+        """HMAC-SHA256(key, payload)."""
+        inner = self._inner.copy()
+        inner.update(payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
     def dumps(self, obj: Any) -> list[bytes]:
         payload = pickle.dumps(obj, protocol=5)
