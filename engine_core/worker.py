@@ -208,6 +208,12 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
         from vllm.v1.worker.worker_base import WorkerWrapperBase
 
         import torch
+        import tqdm
+
+        # vLLM's weight-loading progress bar would start tqdm's monitor thread, which then
+        # wakes every 10 s for the worker's whole life (a timer firing while idle). The bars
+        # still print; only the watchdog for stalled bars is off.
+        tqdm.tqdm.monitor_interval = 0
 
         # Linux lends AMX tile registers only to a process that asks (arch_prctl);
         # oneDNN asks when it JITs an AMX kernel, but vLLM's own AMX attention

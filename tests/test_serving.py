@@ -158,6 +158,31 @@ def test_idle_tree_sleeps(daemon):
     assert r.usage.completion_tokens == 4
 
 
+def thread_names(pid: int) -> list[str]:
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return names
+
+
+def test_one_python_thread_per_process(daemon):
+    """Each process of a serving tree runs its Python code on one thread: none keeps a helper
+    thread that wakes on a timer while idle (tqdm's monitor, started by vLLM's weight-loading bar
+    and waking every 10 s, is off in the workers). Python threads all carry the interpreter's
+    name in /proc (ZeroMQ's and gloo's name theirs), so they are counted by that name."""
+    daemon.openai().completions.create(model="default", prompt="def f(", max_tokens=2)
+    children = [c for c in daemon.status().children if c.kind != "standby"]
+    worker = daemon.child("worker:default:0").pid
+    assert "gloo_tcp_loop" in thread_names(worker)  # the reading sees a loaded worker's threads
+    python = Path(f"/proc/{daemon.manager_pid}/comm").read_text().strip()
+    counts = {c.component: thread_names(c.pid).count(python) for c in children}
+    counts["manager"] = thread_names(daemon.manager_pid).count(python)
+    assert counts and all(n == 1 for n in counts.values()), counts
+
+
 def test_client_disconnect_aborts_engine_request(daemon):
     import socket
 
