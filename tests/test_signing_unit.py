@@ -8,7 +8,7 @@ import os
 import pickle
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine_core.signing import BadSignature, Signer
@@ -18,6 +18,10 @@ pytestmark = pytest.mark.unit
 
 @settings(max_examples=200, deadline=None)
 @given(key=st.binary(min_size=0, max_size=200), payload=st.binary(max_size=5000))
+@example(key=b"", payload=b"x")
+@example(key=b"k" * 64, payload=b"x")
+@example(key=b"k" * 65, payload=b"")
+@example(key=bytes(range(200)), payload=b"y" * 3000)
 def test_mac_is_hmac_sha256(key: bytes, payload: bytes):
     # Keys shorter than, equal to and longer than SHA-256's 64-byte block: RFC 2104's three cases.
     assert Signer(key).mac(payload) == hmac.new(key, payload, hashlib.sha256).digest()
