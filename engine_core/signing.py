@@ -8,11 +8,11 @@ before a byte is unpickled (as Jupyter's wire protocol does).
 The MAC is RFC 2104's HMAC-SHA256, computed from the key's two padded SHA-256
 states made once per ``Signer`` and copied per message, rather than with
 ``hmac.new`` per message: with OpenSSL 3, ``hmac.new`` sets up a new HMAC
-context on every call, which on a decode step's path (code
-and caches cold again by the next step) measured 64 µs for a 384-byte reply
-against 38 µs for the two copies; four MACs per worker are on every step's
-path (each side signs one message and checks one). Same bytes as ``hmac.new`` for any
-key (tests/test_signing_unit.py).
+context on every call, which on a decode step's path (code and caches cold
+again by the next step) measured 64 µs for a 384-byte reply against 38 µs
+for the two copies; four MACs per worker are on every step's path (each side
+signs one message and checks one). Same bytes as ``hmac.new`` for any key
+(tests/test_signing_unit.py).
 """
 
 from __future__ import annotations
