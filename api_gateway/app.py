@@ -231,6 +231,8 @@ class Gateway:
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)
                 self.metrics.overlapped_steps.labels(model=name).set(stats.overlapped_steps)
+                self.metrics.worker_replies.labels(model=name, encoding="tokens").set(stats.token_replies)
+                self.metrics.worker_replies.labels(model=name, encoding="signed_pickle").set(stats.signed_replies)
             # vLLM's own (vllm:*): only from an engine that lives; a released model's are gone.
             engines.append(await link.engine_metrics())
         body, ctype = self.metrics.render(engines)

@@ -222,6 +222,8 @@ class EngineServer:
         self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
                                       unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
                                       overlapped_steps=self.group.overlapped_steps,
+                                      token_replies=self.group.token_replies,
+                                      signed_replies=self.group.signed_replies,
                                       rejected_frames=self.rejected, missing=missing))
 
     def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:

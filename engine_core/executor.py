@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from engine_core.step_calls import StepCalls
+from engine_core.tokens_reply import TokensReplyCodec
 from engine_core.worker_group import (  # noqa: F401  (the engine's names for them)
     EXECUTE_AND_SAMPLE,
     PendingCall,
@@ -51,6 +52,10 @@ class WorkerGroupExecutor(Executor):
         if GROUP is None:
             raise RuntimeError("WorkerGroupExecutor needs engine_core to set executor.GROUP first")
         self.group = GROUP
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        # A step's reply of sampled tokens only comes unsigned (engine_core/tokens_reply.py).
+        self.group.tokens = TokensReplyCodec(ModelRunnerOutput)
         world = self.parallel_config.world_size
         if world != self.group.ranks:
             raise RuntimeError(f"engine expects {world} workers, the manager started {self.group.ranks}")

@@ -72,6 +72,9 @@ class Signer:
             self.rejected += 1
             raise BadSignature(f"expected 2 frames, got {len(frames)}")
         mac, payload = frames
+        if not mac:  # an unsigned frame (worker_link.UNSIGNED): never unpickled
+            self.rejected += 1
+            raise BadSignature("an unsigned frame")
         if not hmac.compare_digest(mac, self.mac(payload)):
             self.rejected += 1
             raise BadSignature("HMAC mismatch")

@@ -10,7 +10,10 @@ connection, never the engine's.
 Call frames (after the signature check): ``(call_id, method, args, kwargs,
 output_rank)``. Reply: ``(call_id, ok, result_or_error_text)``, in the order
 the calls came. Ranks other than ``output_rank`` reply with None to keep step
-outputs single-copy.
+outputs single-copy. A step's ``ModelRunnerOutput`` that holds only sampled
+tokens goes as an unsigned ``TokensReply`` instead of a signed pickle
+(engine_core/tokens_reply.py; ``SERVECTL_TOKENS_REPLY=0`` turns that off,
+for A/Bs).
 
 Async scheduling. With it vLLM's model runner returns an
 ``AsyncModelRunnerOutput`` from ``sample_tokens`` (the device-to-host copy of
@@ -45,12 +48,14 @@ import zmq
 from engine_core.load_errors import RemoteFailure, permanent_reason
 from engine_core.signing import BadSignature, Signer, read_key
 from engine_core.spin import WORKER_SPIN_ENV, spin_seconds
+from engine_core.tokens_reply import TokensReplyCodec
 from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
-from engine_core.worker_link import FrameError, FrameReader, listen_private, read_available, send_frames
+from engine_core.worker_link import UNSIGNED, FrameError, FrameReader, listen_private, read_available, send_frames
 from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
 
 STATS_METHOD = "__servectl_stats__"
+TOKENS_REPLY_ENV = "SERVECTL_TOKENS_REPLY"  # "0": every reply a signed pickle (an A/B of the encoding)
 _pair_ids = itertools.count()
 
 
@@ -113,8 +118,9 @@ class Replies:
     """Sends replies in call order; async outputs are resolved on an output thread."""
 
     def __init__(self, ctx: zmq.Context, conns: Connections, signer: Signer, log, async_type: type,
-                 thread_init: Callable[[], None] = lambda: None):
+                 thread_init: Callable[[], None] = lambda: None, tokens: TokensReplyCodec | None = None):
         self.ctx = ctx
+        self.tokens = tokens
         self.conns = conns
         self.signer = signer
         self.log = log
@@ -158,6 +164,10 @@ class Replies:
 
     # ---- both sides -------------------------------------------------------------------
     def _frames(self, call_id: Any, ok: bool, value: Any) -> list[bytes]:
+        if ok and self.tokens is not None:
+            payload = self.tokens.encode(call_id, value)
+            if payload is not None:
+                return [UNSIGNED, payload]
         try:
             return self.signer.dumps((call_id, ok, value))
         except Exception as exc:  # e.g. an unpicklable result: report it instead
@@ -193,12 +203,13 @@ class Replies:
 
 def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
           run_method: Callable[..., Any] | None = None, async_type: type | None = None,
-          thread_init: Callable[[], None] | None = None) -> None:
+          thread_init: Callable[[], None] | None = None, tokens: TokensReplyCodec | None = None) -> None:
     """The worker loop on a listening socket. Returns when ``ctx`` (the output thread's) is terminated.
 
     ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
-    ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``;
-    tests pass stand-ins so this loop runs without vLLM.
+    ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``, and
+    ``tokens`` to a codec of vLLM's ``ModelRunnerOutput``; tests pass stand-ins
+    so this loop runs without vLLM.
     """
     if wrapper is None:
         # vLLM is imported after the socket is bound so the engine can connect
@@ -223,6 +234,10 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
         wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
         run_method = vllm_run_method
         async_type = AsyncModelRunnerOutput
+        if tokens is None and os.environ.get(TOKENS_REPLY_ENV, "1") != "0":
+            from vllm.v1.outputs import ModelRunnerOutput
+
+            tokens = TokensReplyCodec(ModelRunnerOutput)
 
         def thread_init() -> None:
             # As vLLM's WorkerProc.async_output_busy_loop: a thread does not
@@ -237,7 +252,7 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
     assert run_method is not None
     poller = zmq.Poller()
     conns = Connections(log, poller)
-    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None))
+    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens)
     listener.setblocking(False)
     listen_fd = listener.fileno()
     poller.register(listen_fd, zmq.POLLIN)

@@ -53,6 +53,7 @@ from engine_core.pending_call import PendingCall, WorkerCallFailed  # noqa: F401
 from engine_core.signing import BadSignature, Signer
 from engine_core.spin import ENGINE_SPIN_ENV, spin_seconds
 from engine_core.step_deadline import StepDeadline
+from engine_core.tokens_reply import BadTokensReply, TokensReplyCodec
 from engine_core.worker_link import FrameError, FrameReader, read_available, send_frames
 
 log = logging.getLogger("engine_core.executor")
@@ -117,6 +118,12 @@ class WorkerGroup:
     steps: int = 0
     overlapped_steps: int = 0
     dropped_replies: int = 0
+    # Replies that came as sampled tokens only (tokens_reply.py) and as signed pickles.
+    token_replies: int = 0
+    signed_replies: int = 0
+    # Decodes unsigned TokensReply frames into vLLM's ModelRunnerOutput (set by the executor,
+    # which imports vLLM); while None, an unsigned reply is rejected like a bad signature.
+    tokens: TokensReplyCodec | None = None
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     deadlines: StepDeadline | None = None
     published_deadline: float | None = None
@@ -350,8 +357,17 @@ class WorkerGroup:
 
     def _on_reply(self, rank: int, frames: list[bytes]) -> None:
         try:
-            reply_id, ok, value = self.signer.loads(frames)
+            if frames[0] or self.tokens is None:  # signed (an unsigned one without a codec: rejected)
+                reply_id, ok, value = self.signer.loads(frames)
+                self.signed_replies += 1
+            else:
+                reply_id, ok, value = self.tokens.decode(frames[1])
+                self.token_replies += 1
         except BadSignature as exc:
+            log.warning("rejected reply from rank %d: %s", rank, exc)
+            return
+        except BadTokensReply as exc:
+            self.signer.rejected += 1
             log.warning("rejected reply from rank %d: %s", rank, exc)
             return
         call = self.outstanding.get(reply_id)
@@ -383,4 +399,5 @@ class WorkerGroup:
     # ---- counters --------------------------------------------------------------
     def counters(self) -> str:
         return (f"{self.steps} step(s) sent, {self.overlapped_steps} sent before the previous reply arrived "
-                f"(async scheduling overlap), {self.dropped_replies} stray repl(ies) dropped")
+                f"(async scheduling overlap), {self.dropped_replies} stray repl(ies) dropped, "
+                f"{self.token_replies} repl(ies) as sampled tokens, {self.signed_replies} as signed pickles")

@@ -11,7 +11,12 @@ docs/performance.md).
 A message on the stream is an 8-byte big-endian payload length, the payload's
 32-byte HMAC-SHA256 and the payload: exactly the ``[mac, payload]`` frames of
 ``Signer.dumps``, so ``Signer.loads`` checks the signature before a byte is
-unpickled, as on every other transport. A length over ``MAX_PAYLOAD`` cannot
+unpickled, as on every other transport. One kind of message is not signed:
+a step's reply that holds only sampled tokens, msgpack-encoded
+(servectl/wire/worker.py), which nothing unpickles. Its length carries
+``UNSIGNED_FLAG`` and its MAC field is zeros; the reader hands it on as
+``[UNSIGNED, payload]``, whose empty MAC no ``Signer.loads`` accepts, so an
+unsigned frame can only ever be decoded as that struct. A length over ``MAX_PAYLOAD`` cannot
 be a call (garbage, or a peer speaking something else): the reader raises
 ``FrameError`` and the owner closes that connection; nothing else on the
 stream can be trusted to be aligned after it. Other connections are not
@@ -29,6 +34,8 @@ from pathlib import Path
 from servectl.paths import bind_private
 
 HEADER = struct.Struct("!Q32s")  # payload length, HMAC-SHA256 of the payload
+UNSIGNED_FLAG = 1 << 63  # in the length: a TokensReply, msgpack, no MAC (zeros in its place)
+UNSIGNED = b""  # the MAC frame of an unsigned message, as the reader hands it on
 MAX_PAYLOAD = 1 << 31  # a step's pickled SchedulerOutput is KiB to a few MiB; 2 GiB is not a call
 READ_CHUNK = 1 << 16
 MAX_READ = 1 << 24  # one recv's buffer is allocated up front: never the whole of a claimed length
@@ -51,7 +58,7 @@ class FrameReader:
         if len(self.buf) < HEADER.size:
             return HEADER.size - len(self.buf)
         length, _ = HEADER.unpack_from(self.buf)
-        return max(0, HEADER.size + length - len(self.buf))
+        return max(0, HEADER.size + (length & ~UNSIGNED_FLAG) - len(self.buf))
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         """The frames ``data`` completes, in stream order; FrameError on a length past the limit.
@@ -73,6 +80,9 @@ class FrameReader:
         pos = 0
         while len(data) - pos >= HEADER.size:
             length, mac = HEADER.unpack_from(data, pos)
+            if length & UNSIGNED_FLAG:
+                length &= ~UNSIGNED_FLAG
+                mac = UNSIGNED
             if length > self.max_payload:
                 raise FrameError(f"a message of {length} bytes (the limit is {self.max_payload})")
             end = pos + HEADER.size + length
@@ -111,7 +121,8 @@ def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[
 
 
 def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None = None) -> None:
-    """Write one signed message; ``timeout``: raise ``TimeoutError`` if the peer does not read it in time.
+    """Write one message, ``[mac, payload]`` (``[UNSIGNED, payload]``: unsigned); ``timeout``: raise
+    ``TimeoutError`` if the peer does not read it in time.
 
     The message goes out in one non-blocking call: ``send`` of the joined
     buffer below ``JOIN_BELOW`` (a step's call or reply), ``sendmsg`` gathering
@@ -121,7 +132,7 @@ def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None 
     it) waits for the peer to read, bounded by ``timeout`` where the caller
     has a deadline; the sockets stay in blocking mode throughout."""
     mac, payload = frames
-    header = HEADER.pack(len(payload), mac)
+    header = HEADER.pack(len(payload) if mac else len(payload) | UNSIGNED_FLAG, mac)
     small = len(payload) < JOIN_BELOW
     data = header + payload if small else None
     try:  # send of one joined buffer is the cheaper call; sendmsg gathers a big payload uncopied

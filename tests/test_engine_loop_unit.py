@@ -117,7 +117,7 @@ def server():
     spec = EngineSpec(model=ModelConfig(name="m", model="/m"), runtime_dir="/tmp", incarnation="inc",
                       freezing=False, freeze_grace_s=0, worker_reply_timeout_s=60)
     engine = Engine()
-    group = SimpleNamespace(frozen=False, overlapped_steps=0, waker=None, replies_in=False)
+    group = SimpleNamespace(frozen=False, overlapped_steps=0, token_replies=0, signed_replies=0, waker=None, replies_in=False)
     group.wake_on = lambda sock: setattr(group, "waker", sock)
     group.reply_waiting = lambda: group.replies_in
     srv = EngineServer(spec, engine, group, a, b, halves=Halves(engine))

@@ -197,6 +197,31 @@ def test_no_helper_threads_beyond_the_known(daemon):
     assert len(counts) >= 3 and all(counts[k] <= allowed[k] for k in counts), (counts, allowed)
 
 
+def worker_replies(daemon) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http(daemon, "GET", "/metrics", key=None, timeout=10).text
+    return {s.labels["encoding"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "servectl_engine_worker_replies" for s in fam.samples if s.labels.get("model") == "default"}
+
+
+def test_a_steps_tokens_come_back_unsigned_and_logprobs_as_a_signed_pickle(daemon):
+    """The worker's reply of sampled tokens only skips the pickle and its MACs (engine_core/tokens_reply.py);
+    a step that carries logprobs is still a signed pickle. Both reach the client the same way."""
+    client = daemon.openai()
+    before = worker_replies(daemon)
+    r = client.completions.create(model="default", prompt="def ", max_tokens=12, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12
+    plain = worker_replies(daemon)
+    assert plain["tokens"] - before["tokens"] >= 12  # one reply per step: the prefill's and each decode's
+    assert plain["signed_pickle"] == before["signed_pickle"]
+    r = client.completions.create(model="default", prompt="def ", max_tokens=8, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices[0].logprobs.top_logprobs) == 8
+    after = worker_replies(daemon)
+    assert after["signed_pickle"] - plain["signed_pickle"] >= 8  # each step with logprobs
+
+
 def test_client_disconnect_aborts_engine_request(daemon):
     import socket
 

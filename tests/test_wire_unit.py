@@ -19,6 +19,7 @@ from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Ov
 from servectl.wire import control as CP
 from servectl.wire import engine as EP
 from servectl.wire import spawn as SP
+from servectl.wire import worker as WW
 
 pytestmark = pytest.mark.unit
 
@@ -122,7 +123,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.TokenizerReply: [EP.TokenizerReply(incarnation="abc", request_id="t1", body={"count": 1, "tokens": [5]})],
     EP.MetricsReply: [EP.MetricsReply(incarnation="abc", text="vllm:num_requests_running{model_name=\"m.1\"} 1.0\n")],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
-                                 overlapped_steps=5, missing=["r3"])],
+                                 overlapped_steps=5, token_replies=7, signed_replies=3, missing=["r3"])],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0),
@@ -139,6 +140,10 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                      SP.ManagerSpec(config=Config())],
     SP.Role: [SP.Role(module="engine_core", argv=["--key-fd", "@fd0", "--spec-fd", "@fd1"]),
               SP.Role(module="engine_core.worker", argv=[])],
+    # worker → engine: a step's reply of sampled tokens only (untagged: the only unsigned message)
+    WW.TokensReply: [WW.TokensReply(call_id=12, req_ids=["cmpl-a-0", "cmpl-b-0"], sampled_token_ids=[[5], [7, 8]],
+                                    empty_dicts=["num_nans_in_logits"]),
+                     WW.TokensReply(call_id=13, req_ids=[], sampled_token_ids=[])],
 }
 
 # Which decoder each message's receiver uses (None: decoded by type where it is embedded).
@@ -165,7 +170,7 @@ def tag_of(cls: type) -> str | None:
 
 
 def test_every_message_has_samples():
-    defined = structs_of(CP) | structs_of(EP) | structs_of(SP)
+    defined = structs_of(CP) | structs_of(EP) | structs_of(SP) | structs_of(WW)
     assert defined == set(SAMPLES), f"add round-trip samples for {sorted(c.__name__ for c in defined - set(SAMPLES))}"
     for cls, samples in SAMPLES.items():
         assert samples and all(type(s) is cls for s in samples), cls
@@ -205,11 +210,13 @@ def test_tagged_messages_round_trip_through_their_receivers_decoder(union):
             assert msgspec.msgpack.decode(data)["type"] == tag_of(cls)
 
 
-@pytest.mark.parametrize("cls", [CP.ChildStatus, CP.ModelStatus, CP.Event, EP.Delta, EP.Resume])
+@pytest.mark.parametrize("cls", [CP.ChildStatus, CP.ModelStatus, CP.Event, EP.Delta, EP.Resume, WW.TokensReply])
 def test_untagged_messages_round_trip(cls):
     for msg in SAMPLES[cls]:
         data = msgspec.msgpack.encode(msg)
         assert msgspec.msgpack.decode(data, type=cls) == msg
+    if cls is WW.TokensReply:
+        assert all(WW.decoder.decode(WW.encoder.encode(m)) == m for m in SAMPLES[cls])
     if cls is CP.Event:
         assert all(CP.event_decoder.decode(CP.encoder.encode(m)) == m for m in SAMPLES[cls])
 

@@ -6,7 +6,8 @@ delta. The hello carries the protocol version, so a mismatched pair fails
 loudly at connect, and the engine's incarnation id, so a gateway never mixes
 the frames of two engine lifetimes.
 
-(The engine ⇄ worker hop carries signed pickles: engine_core/signing.py.)
+(The engine ⇄ worker hop carries signed pickles, engine_core/signing.py, and
+a step's reply of sampled tokens only: servectl/wire/worker.py.)
 """
 
 from __future__ import annotations
@@ -164,6 +165,10 @@ class StatsReply(_Msg, tag="stats_reply"):
     # Steps whose execute_model went to the workers before the previous step's
     # reply arrived (async scheduling's overlap); 0 when it is off.
     overlapped_steps: int = 0
+    # Worker replies the engine took as sampled tokens only (servectl/wire/worker.py) and as
+    # signed pickles (everything else).
+    token_replies: int = 0
+    signed_replies: int = 0
     # Those of the probe's request_ids the engine does not hold (never received, or finished).
     missing: list[str] = []
 
