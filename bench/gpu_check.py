@@ -11,7 +11,10 @@ side with identical engine settings, then
 2. asserts that the engine's overlap counter (steps whose execute_model went
    out before the previous step's reply arrived; ``StatsReply.overlapped_steps``
    on the engine socket) grows under load,
-3. prints servectl against `vllm serve`: streaming output tokens/s and ITL
+3. asserts that steps' replies came as sampled tokens, unsigned
+   (``StatsReply.token_replies``; engine_core/tokens_reply.py): the GPU model
+   runner's outputs, resolved on the worker's async output thread, qualify,
+4. prints servectl against `vllm serve`: streaming output tokens/s and ITL
    p50, median of ``--rounds`` alternating rounds (A B, B A, A B) at each
    concurrency (default 1 and 16), driven by vLLM's own serving benchmark
    (``bench.run.vllm_bench``).
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_started(servers, deadline - (0 if p.dry_run else 90))  # the full check keeps 90 s for its rounds
         report["async_scheduling"] = check_async_setting(servectl, p.dry_run)
         print(f"servectl: async scheduling {report['async_scheduling']}", flush=True)
-        before = servectl.engine_stats().overlapped_steps
+        first = servectl.engine_stats()
+        before = first.overlapped_steps
         results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in p.concurrency} for s in servers}
         for rnd in range(p.rounds):
             if rnd and time.monotonic() > deadline - 60:
@@ -280,9 +284,18 @@ def main(argv: list[str] | None = None) -> int:
                     results[s.name][c].append(r)
                     print(f"round {rnd + 1} {s.name} c={c}: {r['output_throughput']:.1f} tok/s, "
                           f"ITL p50 {r['median_itl_ms']:.3f} ms", flush=True)
-        after = servectl.engine_stats().overlapped_steps
+        last = servectl.engine_stats()
+        after = last.overlapped_steps
         report["overlapped_steps"] = {"before": before, "after": after}
         print(f"servectl: overlapped steps {before} -> {after}", flush=True)
+        # A step's reply of sampled tokens only comes unsigned (engine_core/tokens_reply.py), from the
+        # async output thread too: the GPU runner's outputs must qualify, or every step pays the pickle.
+        report["token_replies"] = {"before": first.token_replies, "after": last.token_replies,
+                                   "signed_after": last.signed_replies}
+        print(f"servectl: replies as sampled tokens {first.token_replies} -> {last.token_replies} "
+              f"(signed pickles: {last.signed_replies})", flush=True)
+        if last.token_replies <= first.token_replies:
+            raise CheckFailed("no step's reply came as sampled tokens: every one was a signed pickle")
         if p.dry_run and after != before:
             raise CheckFailed(f"overlapped steps grew ({before} -> {after}) with async scheduling off")
         if not p.dry_run and after <= before:

@@ -56,8 +56,8 @@ class TokensReplyCodec:
             else:
                 self.usable = False  # a field with no default: it always has to be sent
         self.none_fields = frozenset(name for name, _, how in self.others if how == "none")
-        if self.usable and not all(f in {x.name for x in dataclasses.fields(output_type)} for f in SENT):
-            self.usable = False
+        if self.usable and not set(SENT) <= {f.name for f in dataclasses.fields(output_type)}:
+            self.usable = False  # not the shape this message mirrors
 
     def encode(self, call_id: Any, value: Any) -> bytes | None:
         """The ``TokensReply`` bytes of a successful reply ``value``, or None: send it signed."""
