@@ -55,7 +55,7 @@ class WorkerGroupExecutor(Executor):
         from vllm.v1.outputs import ModelRunnerOutput
 
         # A step's reply of sampled tokens only comes unsigned (engine_core/tokens_reply.py).
-        self.group.tokens = TokensReplyCodec(ModelRunnerOutput)
+        self.group.tokens_codec = TokensReplyCodec(ModelRunnerOutput)
         world = self.parallel_config.world_size
         if world != self.group.ranks:
             raise RuntimeError(f"engine expects {world} workers, the manager started {self.group.ranks}")

@@ -1,17 +1,19 @@
 """Signed pickles: the one hop in servectl that unpickles anything.
 
-Every frame is ``[mac, payload]`` with ``mac = HMAC-SHA256(key, payload)``, the
+Every pickled frame is ``[mac, payload]`` with ``mac = HMAC-SHA256(key, payload)``, the
 key generated per engine group by the manager and handed over through an
 inherited pipe (never argv or the environment). The signature is checked
-before a byte is unpickled (as Jupyter's wire protocol does).
+before a byte is unpickled (as Jupyter's wire protocol does). A step's reply
+of sampled tokens only is not pickled and not signed (engine_core/tokens_reply.py);
+its frame carries an empty MAC, which ``loads`` refuses.
 
 The MAC is RFC 2104's HMAC-SHA256, computed from the key's two padded SHA-256
 states made once per ``Signer`` and copied per message, rather than with
 ``hmac.new`` per message: with OpenSSL 3, ``hmac.new`` sets up a new HMAC
 context on every call, which on a decode step's path (code and caches cold
 again by the next step) measured 64 µs for a 384-byte reply against 38 µs
-for the two copies; four MACs per worker are on every step's path (each side
-signs one message and checks one). Same bytes as ``hmac.new`` for any key
+for the two copies; two MACs per worker are on every step's path (the call's,
+signed and checked; four when the reply is a signed pickle too). Same bytes as ``hmac.new`` for any key
 (tests/test_signing_unit.py).
 """
 

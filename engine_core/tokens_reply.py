@@ -5,10 +5,13 @@ dataclass) by the worker and the engine; tests give it a stand-in of the same
 shape, so this module imports no vLLM.
 
 The one rule: ``encode`` returns bytes only for a value that ``decode`` turns
-back into an equal value of the same type, and None for anything else (the
+back into a value of the same type, equal under ``==`` (a dict's insertion
+order aside: vLLM only looks ``req_id_to_index`` up by key), and None for
+anything else (the
 caller then sends its signed pickle). A value qualifies when it is exactly
 ``output_type``, its ``req_ids`` are ``str``s, ``req_id_to_index`` is their
-own order, ``sampled_token_ids`` is a list of lists of ``int``s, and every
+own order, ``sampled_token_ids`` is a list of lists of ``int``s (one per
+request, or none at all) that msgpack can hold, and every
 other field is at its default: None (or an empty dict, named in the
 message) where the default is None, an empty container of the default's type
 where the default is a factory, equal where it is a constant. A field vLLM adds later is judged the same way; one
@@ -84,13 +87,18 @@ class TokensReplyCodec:
         for i, rid in enumerate(req_ids):
             if type(rid) is not str or index.get(rid) != i:
                 return None
+        if sampled and len(sampled) != len(req_ids):  # (none at all: a step that sampled nothing)
+            return None
         for tokens in sampled:
             if type(tokens) is not list:
                 return None
             for t in tokens:
                 if type(t) is not int:
                     return None
-        return WW.encoder.encode(WW.TokensReply(call_id, req_ids, sampled, empty_dicts))
+        try:
+            return WW.encoder.encode(WW.TokensReply(call_id, req_ids, sampled, empty_dicts))
+        except (OverflowError, UnicodeEncodeError, msgspec.EncodeError, TypeError):
+            return None  # an int past msgpack's 64 bits, a lone surrogate in an id: the pickle takes it
 
     def decode(self, payload: bytes) -> tuple[int, bool, Any]:
         """``(call_id, True, output_type(...))`` from ``encode``'s bytes; BadTokensReply for anything else."""
@@ -103,6 +111,9 @@ class TokensReplyCodec:
         index = {rid: i for i, rid in enumerate(msg.req_ids)}
         if len(index) != len(msg.req_ids):
             raise BadTokensReply("an unsigned reply with a request id twice")
+        if msg.sampled_token_ids and len(msg.sampled_token_ids) != len(msg.req_ids):
+            raise BadTokensReply(f"an unsigned reply with {len(msg.sampled_token_ids)} requests' tokens "
+                                 f"for {len(msg.req_ids)} requests")
         value = self.output_type(req_ids=msg.req_ids, req_id_to_index=index, sampled_token_ids=msg.sampled_token_ids)
         for name in msg.empty_dicts:
             if name not in self.none_fields:

@@ -118,9 +118,9 @@ class Replies:
     """Sends replies in call order; async outputs are resolved on an output thread."""
 
     def __init__(self, ctx: zmq.Context, conns: Connections, signer: Signer, log, async_type: type,
-                 thread_init: Callable[[], None] = lambda: None, tokens: TokensReplyCodec | None = None):
+                 thread_init: Callable[[], None] = lambda: None, tokens_codec: TokensReplyCodec | None = None):
         self.ctx = ctx
-        self.tokens = tokens
+        self.tokens_codec = tokens_codec
         self.conns = conns
         self.signer = signer
         self.log = log
@@ -164,8 +164,8 @@ class Replies:
 
     # ---- both sides -------------------------------------------------------------------
     def _frames(self, call_id: Any, ok: bool, value: Any) -> list[bytes]:
-        if ok and self.tokens is not None:
-            payload = self.tokens.encode(call_id, value)
+        if ok and self.tokens_codec is not None:
+            payload = self.tokens_codec.encode(call_id, value)
             if payload is not None:
                 return [UNSIGNED, payload]
         try:
@@ -203,12 +203,12 @@ class Replies:
 
 def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
           run_method: Callable[..., Any] | None = None, async_type: type | None = None,
-          thread_init: Callable[[], None] | None = None, tokens: TokensReplyCodec | None = None) -> None:
+          thread_init: Callable[[], None] | None = None, tokens_codec: TokensReplyCodec | None = None) -> None:
     """The worker loop on a listening socket. Returns when ``ctx`` (the output thread's) is terminated.
 
     ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
     ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``, and
-    ``tokens`` to a codec of vLLM's ``ModelRunnerOutput``; tests pass stand-ins
+    ``tokens_codec`` to a codec of vLLM's ``ModelRunnerOutput``; tests pass stand-ins
     so this loop runs without vLLM.
     """
     if wrapper is None:
@@ -234,10 +234,10 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
         wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
         run_method = vllm_run_method
         async_type = AsyncModelRunnerOutput
-        if tokens is None and os.environ.get(TOKENS_REPLY_ENV, "1") != "0":
+        if tokens_codec is None and os.environ.get(TOKENS_REPLY_ENV, "1") != "0":
             from vllm.v1.outputs import ModelRunnerOutput
 
-            tokens = TokensReplyCodec(ModelRunnerOutput)
+            tokens_codec = TokensReplyCodec(ModelRunnerOutput)
 
         def thread_init() -> None:
             # As vLLM's WorkerProc.async_output_busy_loop: a thread does not
@@ -252,7 +252,7 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
     assert run_method is not None
     poller = zmq.Poller()
     conns = Connections(log, poller)
-    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens)
+    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens_codec)
     listener.setblocking(False)
     listen_fd = listener.fileno()
     poller.register(listen_fd, zmq.POLLIN)

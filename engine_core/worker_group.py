@@ -123,7 +123,7 @@ class WorkerGroup:
     signed_replies: int = 0
     # Decodes unsigned TokensReply frames into vLLM's ModelRunnerOutput (set by the executor,
     # which imports vLLM); while None, an unsigned reply is rejected like a bad signature.
-    tokens: TokensReplyCodec | None = None
+    tokens_codec: TokensReplyCodec | None = None
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     deadlines: StepDeadline | None = None
     published_deadline: float | None = None
@@ -357,18 +357,18 @@ class WorkerGroup:
 
     def _on_reply(self, rank: int, frames: list[bytes]) -> None:
         try:
-            if frames[0] or self.tokens is None:  # signed (an unsigned one without a codec: rejected)
+            if frames[0] or self.tokens_codec is None:  # signed (an unsigned one without a codec: rejected)
                 reply_id, ok, value = self.signer.loads(frames)
                 self.signed_replies += 1
             else:
-                reply_id, ok, value = self.tokens.decode(frames[1])
+                reply_id, ok, value = self.tokens_codec.decode(frames[1])
                 self.token_replies += 1
         except BadSignature as exc:
             log.warning("rejected reply from rank %d: %s", rank, exc)
             return
         except BadTokensReply as exc:
             self.signer.rejected += 1
-            log.warning("rejected reply from rank %d: %s", rank, exc)
+            log.warning("rejected reply from rank %d: %s (%d rejected so far)", rank, exc, self.signer.rejected)
             return
         call = self.outstanding.get(reply_id)
         if call is None or rank not in call.waiting:

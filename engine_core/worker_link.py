@@ -15,8 +15,9 @@ unpickled, as on every other transport. One kind of message is not signed:
 a step's reply that holds only sampled tokens, msgpack-encoded
 (servectl/wire/worker.py), which nothing unpickles. Its length carries
 ``UNSIGNED_FLAG`` and its MAC field is zeros; the reader hands it on as
-``[UNSIGNED, payload]``, whose empty MAC no ``Signer.loads`` accepts, so an
-unsigned frame can only ever be decoded as that struct. A length over ``MAX_PAYLOAD`` cannot
+``[UNSIGNED, payload]``, whose empty MAC no ``Signer.loads`` accepts: an
+unsigned frame is decoded as that struct by the engine, refused by a worker,
+and unpickled by neither. A length over ``MAX_PAYLOAD`` cannot
 be a call (garbage, or a peer speaking something else): the reader raises
 ``FrameError`` and the owner closes that connection; nothing else on the
 stream can be trusted to be aligned after it. Other connections are not

@@ -105,6 +105,19 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_overlaps_steps(pair_d
     assert "output thread" not in pair_daemon.log("worker:sync:0")
 
 
+def test_async_outputs_come_back_as_sampled_tokens_from_the_output_thread(pair_daemon):
+    """vLLM's async model output, resolved on the worker's output thread, still qualifies for the
+    unsigned tokens reply (engine_core/tokens_reply.py): the path a GPU takes on every step."""
+    before = engine_stats(pair_daemon, "async")
+    client = pair_daemon.openai()
+    r = client.completions.create(model="async", prompt="def ", max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 10
+    after = engine_stats(pair_daemon, "async")
+    assert after.token_replies - before.token_replies >= 10
+    assert "async model outputs are resolved on an output thread" in pair_daemon.log("worker:async:0")
+
+
 def test_an_abandoned_stream_drains_the_queue_and_the_workers_freeze(pair_daemon):
     client = pair_daemon.openai()
     stream = client.completions.create(model="async", prompt="def ", max_tokens=200, stream=True,

@@ -214,7 +214,6 @@ def test_a_steps_tokens_come_back_unsigned_and_logprobs_as_a_signed_pickle(daemo
     assert r.usage.completion_tokens == 12
     plain = worker_replies(daemon)
     assert plain["tokens"] - before["tokens"] >= 12  # one reply per step: the prefill's and each decode's
-    assert plain["signed_pickle"] == before["signed_pickle"]
     r = client.completions.create(model="default", prompt="def ", max_tokens=8, logprobs=2,
                                   extra_body={"ignore_eos": True})
     assert len(r.choices[0].logprobs.top_logprobs) == 8

@@ -87,6 +87,11 @@ NOT_PLAIN = {
     "a bool token": lambda v: setattr(v, "sampled_token_ids", [[True], [2]]),
     "a tuple of tokens": lambda v: setattr(v, "sampled_token_ids", [(1,), [2]]),
     "an int subclass": lambda v: setattr(v, "sampled_token_ids", [[IntLike(1)], [2]]),
+    "an int past msgpack's 64 bits": lambda v: setattr(v, "sampled_token_ids", [[2**64], [2]]),
+    "an int below msgpack's": lambda v: setattr(v, "sampled_token_ids", [[-2**63 - 1], [2]]),
+    "a lone surrogate in an id": lambda v: (setattr(v, "req_ids", ["\ud800", "b"]),
+                                            setattr(v, "req_id_to_index", {"\ud800": 0, "b": 1})),
+    "tokens for fewer requests than there are": lambda v: setattr(v, "sampled_token_ids", [[1]]),
     "a dict of the wrong type": lambda v: setattr(v, "prompt_logprobs_dict", SubDict()),
 }
 
@@ -105,6 +110,11 @@ def test_anything_more_than_tokens_is_left_to_the_signed_pickle(why):
     assert CODEC.encode(7, value) is not None
     NOT_PLAIN[why](value)
     assert CODEC.encode(7, value) is None
+
+
+def test_a_step_that_sampled_nothing_is_a_tokens_reply_too():
+    value = plain(["a", "b"], [])  # e.g. vLLM's empty output: ids, no tokens
+    assert CODEC.decode(CODEC.encode(3, value)) == (3, True, value)
 
 
 def test_other_types_and_call_ids_are_left_to_the_signed_pickle():
@@ -141,6 +151,7 @@ def test_a_type_with_a_field_that_has_no_default_turns_the_codec_off():
     msgspec.msgpack.encode([1, ["a"]]),  # a field short
     msgspec.msgpack.encode([1, ["a"], [[1]], ["req_ids"]]),  # an empty dict for a field whose default is not None
     msgspec.msgpack.encode([1, ["a"], [[1]], ["no_such_field"]]),
+    msgspec.msgpack.encode([1, ["a", "b"], [[1]]]),  # tokens for one of two requests
 ])
 def test_a_garbled_or_inconsistent_payload_is_a_bad_reply(payload):
     with pytest.raises(BadTokensReply):
@@ -185,10 +196,10 @@ def ctx():
     assert not t.is_alive(), "a socket was left open"
 
 
-def make_group(ctx, tmp_path, tokens: TokensReplyCodec | None = CODEC, timeout: float = 5.0) -> WorkerGroup:
+def make_group(ctx, tmp_path, codec: TokensReplyCodec | None = CODEC, timeout: float = 5.0) -> WorkerGroup:
     g = WorkerGroup(worker_paths=[str(tmp_path / "w0")], pidfds=[], signer=Signer(KEY), reply_timeout_s=timeout,
                     distributed_init_method="unused", spin_s=0.0)
-    g.tokens = tokens
+    g.tokens_codec = codec
     g.connect()
     ctx[1].append(g)
     return g
@@ -216,7 +227,7 @@ def worker(ctx, tmp_path):
     listener = listen_private(tmp_path / "w0")
     threading.Thread(target=serve, args=(listener, ctx[0], Signer(KEY), 0, logging.getLogger("test-worker")),
                      kwargs=dict(wrapper=runner, run_method=lambda w, m, a, k: getattr(w, m)(*a, **k),
-                                 async_type=NoAsync, tokens=CODEC),
+                                 async_type=NoAsync, tokens_codec=CODEC),
                      daemon=True, name="worker-main").start()
     return runner
 
@@ -251,7 +262,7 @@ def test_a_garbled_unsigned_reply_is_dropped_and_counted_and_the_right_one_still
 def test_a_group_without_a_codec_rejects_unsigned_replies(ctx, tmp_path):
     d = WorkerDouble(tmp_path / "w0", Signer(KEY), mode="manual")
     try:
-        g = make_group(ctx, tmp_path, tokens=None)
+        g = make_group(ctx, tmp_path, codec=None)
         fut = g.send("execute_model", (1,), None)
         call_id = d.wait_calls(1)[0][0]
         d.reply(call_id, raw=[UNSIGNED, CODEC.encode(call_id, plain(["a"], [[1]]))])
