@@ -43,7 +43,6 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +73,6 @@ class WorkerHung(RuntimeError):
 
 def method_name(method: Any) -> str:
     return method if isinstance(method, str) else "<callable>"
-
-
-def done_future(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 @dataclass
