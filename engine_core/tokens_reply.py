@@ -7,16 +7,16 @@ shape, so this module imports no vLLM.
 The one rule: ``encode`` returns bytes only for a value that ``decode`` turns
 back into a value of the same type, equal under ``==`` (a dict's insertion
 order aside: vLLM only looks ``req_id_to_index`` up by key), and None for
-anything else (the
-caller then sends its signed pickle). A value qualifies when it is exactly
-``output_type``, its ``req_ids`` are ``str``s, ``req_id_to_index`` is their
-own order, ``sampled_token_ids`` is a list of lists of ``int``s (one per
-request, or none at all) that msgpack can hold, and every
-other field is at its default: None (or an empty dict, named in the
-message) where the default is None, an empty container of the default's type
-where the default is a factory, equal where it is a constant. A field vLLM adds later is judged the same way; one
-without a default turns the codec off (every reply a signed pickle), as does
-a type that is not a dataclass.
+anything else (the caller then sends its signed pickle). A value qualifies
+when it is exactly ``output_type``, its ``req_ids`` are ``str``s,
+``req_id_to_index`` is their own order, ``sampled_token_ids`` is a list of
+lists of ``int``s (one per request, or none at all) that msgpack can hold,
+and every other field is at its default: None (or an empty dict, named in
+the message) where the default is None, an empty container of the
+default's type where the default is a factory, equal where it is a
+constant. A field vLLM adds later is judged the same way; one without a
+default turns the codec off (every reply a signed pickle), as does a type
+that is not a dataclass.
 """
 
 from __future__ import annotations
