@@ -38,46 +38,46 @@ class BadTokensReply(Exception):
 class TokensReplyCodec:
     def __init__(self, output_type: type):
         self.output_type = output_type
-        self.usable = dataclasses.is_dataclass(output_type)
-        # The fields not sent, and how to tell each is at its default: (name, default, how).
-        self.others: list[tuple[str, Any, str]] = []
-        for f in dataclasses.fields(output_type) if self.usable else ():
+        # The fields not sent, by how each is told to be at its default (read once, off the step's path).
+        none: list[str] = []  # default None (an empty dict is sent by name)
+        empty: list[tuple[str, type]] = []  # a default factory: an empty container of that type
+        equal: list[tuple[str, Any]] = []  # a constant default
+        fields = dataclasses.fields(output_type) if dataclasses.is_dataclass(output_type) else ()
+        self.usable = bool(fields) and set(SENT) <= {f.name for f in fields}  # the shape this message mirrors
+        for f in fields:
             if f.name in SENT:
                 continue
             if f.default is None:
-                self.others.append((f.name, None, "none"))
+                none.append(f.name)
             elif f.default_factory is not dataclasses.MISSING:
-                empty = f.default_factory()
-                try:
-                    usable = len(empty) == 0
-                except TypeError:
-                    usable = False
-                self.others.append((f.name, type(empty), "empty"))
-                self.usable = self.usable and usable
+                made = f.default_factory()
+                self.usable = self.usable and hasattr(made, "__len__") and len(made) == 0
+                empty.append((f.name, type(made)))
             elif f.default is not dataclasses.MISSING:
-                self.others.append((f.name, f.default, "equal"))
+                equal.append((f.name, f.default))
             else:
                 self.usable = False  # a field with no default: it always has to be sent
-        self.none_fields = frozenset(name for name, _, how in self.others if how == "none")
-        if self.usable and not set(SENT) <= {f.name for f in dataclasses.fields(output_type)}:
-            self.usable = False  # not the shape this message mirrors
+        self.none_fields = frozenset(none)
+        self._none, self._empty, self._equal = tuple(none), tuple(empty), tuple(equal)
 
     def encode(self, call_id: Any, value: Any) -> bytes | None:
         """The ``TokensReply`` bytes of a successful reply ``value``, or None: send it signed."""
         if not self.usable or type(value) is not self.output_type or type(call_id) is not int:
             return None
         empty_dicts: list[str] = []
-        for name, default, how in self.others:
+        for name in self._none:
             v = getattr(value, name)
-            if how == "none":
-                if v is not None:
-                    if type(v) is not dict or v:
-                        return None
-                    empty_dicts.append(name)
-            elif how == "empty":
-                if type(v) is not default or v:
+            if v is not None:
+                if type(v) is not dict or v:
                     return None
-            elif type(v) is not type(default) or v != default:
+                empty_dicts.append(name)
+        for name, kind in self._empty:
+            v = getattr(value, name)
+            if type(v) is not kind or v:
+                return None
+        for name, default in self._equal:
+            v = getattr(value, name)
+            if type(v) is not type(default) or v != default:
                 return None
         req_ids, index, sampled = value.req_ids, value.req_id_to_index, value.sampled_token_ids
         if type(req_ids) is not list or type(index) is not dict or type(sampled) is not list:
