@@ -363,6 +363,7 @@ class Gateway:
         self.draining = True
         log.info("draining %d in-flight request(s)", self.in_flight)
         try:
+            # event-proof: the drain's bound on the way out; the last request's end sets idle at once.
             await asyncio.wait_for(self.idle.wait(), self.spec.drain_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain timeout: %d request(s) still in flight", self.in_flight)

@@ -135,7 +135,7 @@ class EngineServer:
             # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
             # transition (freeze, GroupIdle), or none at all once both have fired.
             timeout = 0 if busy else self._idle_timeout()
-            events = dict(self.poller.poll(timeout))
+            events = dict(self.poller.poll(timeout))  # event-proof: 0 (no wait) while busy, else the deadlines above
             if not events and not busy and timeout is not None:
                 self._idle_deadline()
                 continue

@@ -161,6 +161,7 @@ class Manager:
                 futs.append(fut)
         if not futs:
             return
+        # event-proof: the stop grace, once per stop; each child's exit settles its future at once.
         _, pending = await asyncio.wait(futs, timeout=grace_s)
         if pending:
             for c in children:
@@ -361,7 +362,7 @@ class Manager:
         def ping() -> None:  # event-proof: systemd's watchdog protocol requires a periodic keep-alive
             notify("WATCHDOG=1")
             if not self.shutting_down:
-                loop.call_later(interval, ping)
+                loop.call_later(interval, ping)  # event-proof: systemd's watchdog (above)
 
         ping()
 

@@ -145,6 +145,7 @@ class GatewayPool:
         """Every running gateway checks the current keys before this returns (bounded)."""
         sent = [fut for fut in (self.send_keys(gw) for gw in self.members) if fut is not None]
         if sent:
+            # event-proof: a bound on the gateways' confirmations; each KeysApplied settles its future.
             _, late = await asyncio.wait(sent, timeout=timeout_s)
             if late:
                 log.warning("%d gateway(s) did not confirm the new API keys within %.0fs", len(late), timeout_s)
@@ -161,6 +162,7 @@ class GatewayPool:
             gw.child.set(ChildState.FAILED, f"{gw.child.last_exit}; crash loop")
             return
         gw.child.set(ChildState.BACKOFF)
+        # event-proof: a one-shot backoff after a gateway's exit, cancelled by a stop.
         gw.restart_timer = asyncio.get_running_loop().call_later(delay, self.start, gw)
 
     async def stop(self, gw: GatewayProcess, grace_s: float) -> None:
@@ -199,6 +201,7 @@ class GatewayPool:
             ready = asyncio.get_running_loop().create_future()
             gw.ready_waiters.append(ready)
             self.start(gw)
+            # event-proof: a bound on a replaced gateway's start; its ChildReady settles the future.
             await asyncio.wait([ready], timeout=120)
         for i in range(len(self.members), gateway.processes):
             gw = GatewayProcess(i, self)

@@ -392,6 +392,7 @@ class EngineGroup:
             return
         log.warning("model %s: %s; restarting in %.1fs", self.name, self.reason, delay)
         self._enter(S.BACKOFF, self.reason)
+        # event-proof: a one-shot backoff after a crash, cancelled by a stop.
         self.restart_timer = asyncio.get_running_loop().call_later(delay, self.start)
 
     def kill_hung(self, incarnation: str) -> bool:
@@ -411,6 +412,7 @@ class EngineGroup:
         self.drained = asyncio.get_running_loop().create_future()
         self._enter(S.DRAINING)  # gateways stop sending new requests
         self.host.send_to_engine(self, P.Drain())
+        # event-proof: drain_timeout_s bounds the drain; the engine's GroupDrained settles it at once.
         await asyncio.wait([self.drained], timeout=timeout_s)
 
     def on_drained(self, incarnation: str) -> None:

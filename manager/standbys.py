@@ -159,6 +159,7 @@ class StandbyPool:
         log.warning("model %s: %s %s; a new one in %.1fs", standby.model, standby.component, standby.last_exit, delay)
         group = self.host.group(standby.model)
         if group is not None and standby.model not in self.timers:
+            # event-proof: a one-shot backoff after a standby died, before its replacement.
             self.timers[standby.model] = asyncio.get_running_loop().call_later(delay, self.refill, group)
 
     def forget_model(self, model: str) -> None:

@@ -107,6 +107,7 @@ class ControlClient:
             sock.connect(RuntimePaths.ipc(path))
             sock.send(P.encoder.encode(msg))
             wait = self.timeout_s if timeout_s is None else timeout_s
+            # event-proof: the CLI's bound on one reply; the reply wakes the poll.
             if not sock.poll(None if wait is None or wait < 0 else int(wait * 1000)):
                 raise NotRunning(f"servectl is not running (the control socket in {self.paths.root} "
                                  f"did not answer within {wait:g}s)")
@@ -198,6 +199,7 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
             left = end - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"not settled within {timeout_s:g}s")
+            # event-proof: the settle deadline; the reply or an event wakes the poll.
             for sock, _ in poller.poll(int(left * 1000)):
                 if sock is req:
                     reply = P.control_out_decoder.decode(req.recv())
