@@ -48,6 +48,9 @@ class RequestStream:
 
 # Sends of one large batch hand the event loop back this often (other clients' tokens go out between).
 YIELD_EVERY = 32
+# A warm engine's silence is probed this long after its published step deadline (a step's
+# outputs still on their way); tests scale it down to see a probe in milliseconds.
+PROBE_MARGIN_S = 2.0
 
 
 class EngineLink:
@@ -374,7 +377,7 @@ class EngineLink:
         is warm; ``cold_s`` (gateway.output_timeout_s) before that."""
         if self.step_deadline_s is None:
             return cold_s
-        return min(cold_s, self.step_deadline_s + 2.0)
+        return min(cold_s, self.step_deadline_s + PROBE_MARGIN_S)
 
     def queued(self, more: int = 0) -> int:
         """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from api_gateway import engines
 from api_gateway.resume import Choice, CannotContinue, plan, why_not_exact
 from engine_core.resume import ResumeError, continue_request, continued_params
 from conftest import json_lines
@@ -183,21 +184,40 @@ def test_a_hung_engine_is_reported_and_its_restart_continues_the_request():
     run(scenario, output_timeout_s=0.3)
 
 
-def test_a_slow_step_the_engine_announced_is_waited_for_not_reported_hung():
+def test_a_slow_step_the_engine_announced_is_waited_for_not_reported_hung(monkeypatch):
     """The first step that needs a sampler path vLLM compiles takes seconds; the engine publishes
-    a longer deadline for it, and a probe it cannot answer meanwhile is not a hang."""
+    a longer deadline for it, and a probe it cannot answer meanwhile is not a hang.
+
+    No clock is read: the margin is scaled down so the probe comes in milliseconds, the engine
+    publishes the generous deadline while the probe waits (its order in the real engine: the
+    step is armed, then nothing answers), and the test waits for the probe's verdict itself."""
+    monkeypatch.setattr(engines, "PROBE_MARGIN_S", 0.04)
+
     async def scenario(h):
         await h.ready()
-        h.gw.manager.on_deadline("m", 0.1)  # warm: output timeout 2.1 s (under the cold 3 s)
+        h.gw.manager.on_deadline("m", 0.01)  # warm: output timeout 0.05 s (under the cold 3 s)
+        verdicts: list = []
+        probed = asyncio.Event()
+        stats = h.link.stats
+
+        async def slow_step_then_stats(*args, **kwargs):
+            h.gw.manager.on_deadline("m", 60.0)  # the engine arms a step with the generous deadline
+            try:
+                reply = await stats(*args, **kwargs)
+            finally:
+                probed.set()
+            verdicts.append(reply)
+            return reply
+
+        h.link.stats = slow_step_then_stats
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
         await h.engine.step(delta(gen.request_id, "a", 1, first=True))
-        await asyncio.sleep(0.2)  # the request waits for its next output (2.1 s) ...
-        h.gw.manager.on_deadline("m", 60.0)  # ... when the engine arms a step with the generous deadline
         probe = await h.engine.recv(timeout=10)
         assert isinstance(probe, EP.Stats)  # unanswered: the engine waits for its worker
-        await asyncio.sleep(2.5)  # past the probe's own wait
-        assert h.hangs == []
+        await asyncio.wait_for(probed.wait(), 10)
+        await asyncio.sleep(0)  # the probe's caller decides on the same turn
+        assert verdicts == [None] and h.hangs == []
         await h.engine.step(delta(gen.request_id, "b", 2, finish="length"))
         status, body = await asyncio.wait_for(client, 10)
         assert status == 200 and body["choices"][0]["text"] == "ab" and h.hangs == []
