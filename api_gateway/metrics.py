@@ -42,7 +42,7 @@ class Metrics:
         self.overlapped_steps = Gauge("servectl_engine_overlapped_steps",
                                       "Engine steps sent while the previous one was still executing",
                                       ["model"], multiprocess_mode="livemostrecent", **reg)
-        # How the workers' replies came (engine_core/tokens_reply.py): "tokens", a step's sampled
+        # How the workers' replies came (engine_core/workers/tokens_reply.py): "tokens", a step's sampled
         # tokens only, unsigned msgpack; "signed_pickle", everything else.
         self.worker_replies = Gauge("servectl_engine_worker_replies",
                                     "Worker replies the engine took, by encoding", ["model", "encoding"],

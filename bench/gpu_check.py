@@ -12,7 +12,7 @@ side with identical engine settings, then
    out before the previous step's reply arrived; ``StatsReply.overlapped_steps``
    on the engine socket) grows under load,
 3. asserts that steps' replies came as sampled tokens, unsigned
-   (``StatsReply.token_replies``; engine_core/tokens_reply.py): the GPU model
+   (``StatsReply.token_replies``; engine_core/workers/tokens_reply.py): the GPU model
    runner's outputs, resolved on the worker's async output thread, qualify,
 4. prints servectl against `vllm serve`: streaming output tokens/s and ITL
    p50, median of ``--rounds`` alternating rounds (A B, B A, A B) at each
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         after = last.overlapped_steps
         report["overlapped_steps"] = {"before": before, "after": after}
         print(f"servectl: overlapped steps {before} -> {after}", flush=True)
-        # A step's reply of sampled tokens only comes unsigned (engine_core/tokens_reply.py), from the
+        # A step's reply of sampled tokens only comes unsigned (engine_core/workers/tokens_reply.py), from the
         # async output thread too: the GPU runner's outputs must qualify, or every step pays the pickle.
         report["token_replies"] = {"before": first.token_replies, "after": last.token_replies,
                                    "signed_after": last.signed_replies}

@@ -271,13 +271,13 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     # -- stats and logging, anywhere
     ("stats", ("StatLoggerManager.record",)), ("stats", ("make_stats",)), ("stats", ("prometheus_client/",)),
     ("stats", ("api_gateway/metrics.py",)), ("stats", ("Generator.observe",)), ("stats", ("logging/__init__.py",)),
-    # -- worker (servectl): engine_core/worker.py
-    ("idle", ("serve (engine_core/worker.py", "Poller.poll")),
-    ("serialize", ("engine_core/worker.py", "Signer.")),
+    # -- worker (servectl): engine_core/workers/worker.py
+    ("idle", ("serve (engine_core/workers/worker.py", "Poller.poll")),
+    ("serialize", ("engine_core/workers/worker.py", "Signer.")),
     ("serialize", ("Replies._frames",)),
     ("hop_worker", ("Replies.send",)), ("hop_worker", ("Replies.forward",)),
-    ("model", ("_handle (engine_core/worker.py",)),
-    ("hop_worker", ("serve (engine_core/worker.py",)),
+    ("model", ("_handle (engine_core/workers/worker.py",)),
+    ("hop_worker", ("serve (engine_core/workers/worker.py",)),
     # -- worker (vllm serve): multiproc_executor WorkerProc
     ("idle", ("worker_busy_loop", "acquire_read")),
     ("hop_worker", ("worker_busy_loop", "MessageQueue.dequeue", "flush_releases")),

@@ -134,7 +134,7 @@ def rss_by_kind(pids: list[int]) -> dict[str, float]:
             continue
         kind = ("manager" if "-m manager" in cmd else "gateway" if "api_gateway" in cmd
                 else "standby" if "engine_core.standby" in cmd
-                else "worker" if "engine_core.worker" in cmd or "Worker" in name
+                else "worker" if "engine_core.workers.worker" in cmd or "Worker" in name
                 else "engine_core" if "-m engine_core" in cmd or "EngineCore" in name
                 else "api_server" if "api_server" in cmd else name)
         out[kind] = round(out.get(kind, 0) + rss, 1)

@@ -35,8 +35,7 @@ from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.resume import continue_request, seed_detokenizer
 from engine_core.step_halves import StepHalves, WholeStep, step_halves
-from engine_core.step_calls import engine_batch_queue
-from engine_core.worker_group import WorkerHung
+from engine_core.workers import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
 from servectl.wire.spawn import EngineSpec, engine_component

@@ -29,7 +29,8 @@ import zmq
 from engine_core.core import EXIT_STEP_FAILED, EngineServer, StepFailed
 from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.load_errors import permanent_reason
-from engine_core.signing import Signer, read_key
+from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
+                                 read_key)
 from servectl.messages import one_line
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
@@ -79,10 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.model.name, incarnation=spec.incarnation,
                                                               seconds=seconds)))
 
-    from engine_core import executor as ex
-
     tp = spec.model.tensor_parallel_size
-    group = ex.WorkerGroup(
+    group = WorkerGroup(
         worker_paths=[str(paths.worker(spec.model.name, r)) for r in range(tp)],
         pidfds=pidfds,
         signer=Signer(key),
@@ -93,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         step_multiple=spec.step_deadline_multiple,
     )
     group.connect()
-    ex.GROUP = group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -112,16 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("engine built by %s, not vLLM's LLMEngine", factory)
         else:
             if spec.model.engine_args.get("async_scheduling") is True:
-                ex.honour_async_scheduling_on_cpu()
+                honour_async_scheduling_on_cpu()
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=spec.model.model,
                 tensor_parallel_size=tp,
-                distributed_executor_backend=ex.WorkerGroupExecutor,
+                distributed_executor_backend=executor_for(group),
                 **{**engine_args(spec.model), **idle.engine_args,
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))
-    except ex.WorkerHung as exc:
+    except WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return 75
     except Exception as exc:
@@ -156,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, log_counters_and_die)
     try:
         server.run()
-    except ex.WorkerHung as exc:
+    except WorkerHung as exc:
         log.error("%s: the group is hung; exiting so the manager restarts it", exc)
         exit_now(75, group)
     except StepFailed as exc:

@@ -44,8 +44,9 @@ def preload() -> None:
     from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo  # noqa: F401
 
     import engine_core.main  # noqa: F401
-    import engine_core.executor  # noqa: F401
-    import engine_core.worker  # noqa: F401
+    from engine_core import workers
+
+    workers.preload()
 
 
 def wait_for_role(channel: socket.socket) -> tuple[Role, list[int]] | None:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if role.module == "engine_core":
         from engine_core.main import main as role_main
     else:
-        from engine_core.worker import main as role_main
+        from engine_core.workers import worker_main as role_main
     return role_main(role_argv)
 
 

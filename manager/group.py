@@ -217,7 +217,7 @@ class EngineGroup:
         root = str(self.host.runtime_dir)
         engine_env, worker_envs = self.member_envs()
         for rank, worker in enumerate(self.workers):
-            self._launch(worker, "engine_core.worker",
+            self._launch(worker, "engine_core.workers.worker",
                          ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
                          [], key, worker_envs[rank])
         m = self.host.settings

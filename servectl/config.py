@@ -96,7 +96,7 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a step larger than any seen, loading); past it the group is hung.
     worker_reply_timeout_s: PositiveFloat = 120.0
     # Once warm, a step's deadline is this multiple of the recent 99th percentile of steps
-    # its size, never below the floor (engine_core/step_deadline.py).
+    # its size, never below the floor (engine_core/workers/step_deadline.py).
     step_deadline_multiple: PositiveFloat = 20.0
     step_deadline_floor_s: PositiveFloat = 5.0
     # An idle engine freezes its workers after this long (0 disables).

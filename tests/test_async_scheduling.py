@@ -3,7 +3,7 @@
 On CPU vLLM turns async scheduling off for every executor
 (``CpuPlatform.check_and_update_config``). An explicit
 ``engine_args.async_scheduling = true`` is honoured there by servectl
-(``engine_core.executor.honour_async_scheduling_on_cpu``), as a GPU platform
+(``engine_core.workers.executor.honour_async_scheduling_on_cpu``), as a GPU platform
 would decide: with ``WorkerGroupExecutor`` saying it supports async scheduling, vLLM builds its
 ``AsyncScheduler`` and a batch queue of ``max_concurrent_batches`` = 2, and the
 CPU model runner returns vLLM's ``AsyncGPUModelRunnerOutput`` (the CPU worker
@@ -107,7 +107,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_overlaps_steps(pair_d
 
 def test_async_outputs_come_back_as_sampled_tokens_from_the_output_thread(pair_daemon):
     """vLLM's async model output, resolved on the worker's output thread, still qualifies for the
-    unsigned tokens reply (engine_core/tokens_reply.py): the path a GPU takes on every step."""
+    unsigned tokens reply (engine_core/workers/tokens_reply.py): the path a GPU takes on every step."""
     before = engine_stats(pair_daemon, "async")
     client = pair_daemon.openai()
     r = client.completions.create(model="async", prompt="def ", max_tokens=10, temperature=0,

@@ -132,6 +132,53 @@ def test_wire_needs_only_msgspec_the_standard_library_and_config():
     assert bad == {}
 
 
+# ---- the worker hop: one package behind one surface ---------------------------------------------
+
+HOP = "engine_core.workers"
+
+
+def hop_files() -> set[str]:
+    """The modules inside the hop's package (not its ``__init__``, the public surface)."""
+    found = {f"{HOP}.{p.stem}" for p in (ROOT / "engine_core" / "workers").glob("*.py") if p.stem != "__init__"}
+    assert f"{HOP}.group" in found and f"{HOP}.worker" in found
+    return found
+
+
+def past_the_surface(imports: set[str], private: set[str]) -> list[str]:
+    return sorted(n for n in imports if any(n == m or n.startswith(m + ".") for m in private))
+
+
+def test_the_hop_check_sees_an_import_past_the_surface():
+    private = hop_files()
+    src = "from engine_core.workers.group import WorkerGroup\nfrom engine_core.workers import WorkerHung\n" \
+          "from engine_core import workers\ndef f():\n    import engine_core.workers.link\n"
+    assert past_the_surface(imports_of_source(src, "engine_core.main"), private) == [
+        "engine_core.workers.group", "engine_core.workers.group.WorkerGroup", "engine_core.workers.link"]
+
+
+def test_code_outside_the_worker_hop_imports_only_its_public_surface():
+    """engine_core/workers/ (the executor, the group, the framing, signing, the worker's loop) is
+    used from outside through ``engine_core.workers`` alone, never its files. Tests are excepted:
+    they test the files themselves (tests/hop_fixtures.py and the hop's *_unit.py)."""
+    private = hop_files()
+    bad = {}
+    for package in ("engine_core", "manager", "api_gateway", "servectl", "bench", "tools"):
+        for path in sources(package):
+            if (ROOT / "engine_core" / "workers") in path.parents:
+                continue
+            hits = past_the_surface(imports_of(path), private)
+            if hits:
+                bad[str(path.relative_to(ROOT))] = hits
+    assert bad == {}
+
+
+def test_the_hop_surface_is_what_it_says():
+    import engine_core.workers as hop
+
+    assert all(hasattr(hop, name) for name in hop.__all__)
+    assert not set(hop.__all__) & {m.rsplit(".", 1)[1] for m in hop_files()}  # no name shadows a file
+
+
 def test_cli_manager_and_gateway_load_no_vllm_or_torch():
     """Import every module of servectl, manager and api_gateway (not engine_core: it is
     the one that runs vLLM) in a fresh interpreter, then look at sys.modules."""

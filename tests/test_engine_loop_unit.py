@@ -176,7 +176,7 @@ def test_a_step_that_raises_is_the_engines_state_unknown(server):
 
 
 def test_a_hung_worker_is_not_wrapped(server):
-    from engine_core.worker_group import WorkerHung
+    from engine_core.workers import WorkerHung
 
     def hung():
         raise WorkerHung("rank 0 gave no reply")

@@ -1,10 +1,10 @@
 """Issue 13: two calls in flight through the executor, without vLLM or a GPU.
 
-``WorkerGroup`` (engine_core/worker_group.py) against a worker double
+``WorkerGroup`` (engine_core/workers/group.py) against a worker double
 (tests/worker_double.py: a thread on a Unix socket speaking the signed-pickle protocol):
 FIFO settling, a late reply, a dead worker, the deadline of the oldest call,
 the overlap counter, no freezing with a call in flight. Then the real worker
-loop (``engine_core.worker.serve``) with a stand-in model runner whose
+loop (``engine_core.workers.worker.serve``) with a stand-in model runner whose
 ``sample_tokens`` returns an async output, driven by ``StepCalls`` the way
 vLLM's ``EngineCore.step_with_batch_queue`` drives the executor: the worker
 takes step N+1 while step N's output is still being resolved, and replies
@@ -24,9 +24,10 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from engine_core.signing import Signer
-from engine_core.step_calls import StepCalls
-from engine_core.worker_group import EXECUTE_AND_SAMPLE, WorkerGroup, WorkerHung
+from engine_core.workers.group import WorkerGroup, WorkerHung
+from engine_core.workers.signing import Signer
+from engine_core.workers.step_calls import StepCalls
+from servectl.wire.worker import EXECUTE_AND_SAMPLE
 from worker_double import WorkerDouble, elapsed
 
 pytestmark = pytest.mark.unit
@@ -74,7 +75,8 @@ def doubles(ctx, tmp_path):
 
 
 def test_modules_import_no_vllm_or_torch():
-    code = ("import sys, engine_core.worker_group, engine_core.step_calls, engine_core.worker, engine_core.signing; "
+    code = ("import sys, engine_core.workers, engine_core.workers.group, engine_core.workers.step_calls, "
+            "engine_core.workers.worker, engine_core.workers.signing, engine_core.workers.link; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
@@ -288,8 +290,8 @@ def run_method(wrapper, method, args, kwargs):
 def real_worker(ctx, tmp_path):
     import logging
 
-    from engine_core.worker import serve
-    from engine_core.worker_link import listen_private
+    from engine_core.workers.worker import serve
+    from engine_core.workers.link import listen_private
 
     runner = FakeRunner()
     listener = listen_private(tmp_path / "w0")
@@ -371,7 +373,7 @@ def test_structured_steps_are_two_calls_in_the_same_fifo(ctx, tmp_path, doubles)
 # ---- the step deadline: derived from the steps seen ---------------------------------------
 
 def test_step_deadline_is_generous_until_warm_and_for_what_it_has_not_seen():
-    from engine_core.step_deadline import StepDeadline
+    from engine_core.workers.step_deadline import StepDeadline
 
     d = StepDeadline(generous_s=120, floor_s=5, multiple=20, warmup=4)
     assert d.timeout_for(8) == 120 and not d.warm
@@ -421,7 +423,7 @@ def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_
 
 
 def test_spin_settings_are_microseconds_in_bounds_with_short_defaults():
-    from engine_core.spin import ENGINE_SPIN_ENV, MAX_US, WORKER_SPIN_ENV, spin_seconds
+    from engine_core.workers.spin import ENGINE_SPIN_ENV, MAX_US, WORKER_SPIN_ENV, spin_seconds
 
     assert spin_seconds(ENGINE_SPIN_ENV, {}) == pytest.approx(5e-3)
     assert spin_seconds(WORKER_SPIN_ENV, {}) == pytest.approx(2e-3)
@@ -471,7 +473,7 @@ def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_a
 def test_a_step_that_needs_a_sampler_path_no_step_needed_yet_gets_the_generous_deadline():
     """vLLM compiles parts of its sampler on first use (logprob ranks, top-k/top-p): seconds for
     one step, which is not a hang (it was one, at the 5 s floor, before)."""
-    from engine_core.step_deadline import StepDeadline, StepKinds
+    from engine_core.workers.step_deadline import StepDeadline, StepKinds
 
     def params(**kw):
         base = dict(logprobs=None, prompt_logprobs=None, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -617,7 +619,7 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
 # ---- PendingCall: the Future surface vLLM's engine core uses, without a Future's locks -----
 
 def test_a_pending_call_answers_as_a_future_does(caplog):
-    from engine_core.worker_group import PendingCall, WorkerCallFailed
+    from engine_core.workers.pending_call import PendingCall, WorkerCallFailed
 
     waits = []
     group = SimpleNamespace(wait_once=lambda: (waits.append(1), call.set_result(["v"])))

@@ -13,8 +13,9 @@ import zmq
 
 from conftest import ROOT, wait_for
 from servectl.wire import engine as EP
-from engine_core.signing import Signer
-from engine_core.worker_link import FrameReader, read_available, send_frames
+from engine_core.workers.link import FrameReader, read_available, send_frames
+from engine_core.workers.signing import Signer
+from servectl.wire.worker import STATS_METHOD
 from servectl.wire import control as MP
 
 GARBAGE = [b"\x00\xff garbage", msgspec.msgpack.encode({"type": "generate", "request_id": 5})]
@@ -159,7 +160,7 @@ def test_standalone_worker_accepts_only_correctly_signed_frames(tmp_path):
     r, w = os.pipe()
     os.write(w, key)
     os.close(w)
-    proc = subprocess.Popen([sys.executable, "-m", "engine_core.worker", "--model", "solo", "--rank", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "engine_core.workers.worker", "--model", "solo", "--rank", "0",
                              "--runtime-dir", str(tmp_path), "--key-fd", str(r)], pass_fds=(r,), cwd=ROOT,
                             stderr=subprocess.PIPE, text=True)
     os.close(r)
@@ -169,7 +170,7 @@ def test_standalone_worker_accepts_only_correctly_signed_frames(tmp_path):
         garbage.sendall(b"\xff" * 64)  # a length no call can have: that connection is closed
         sock = worker_conn(tmp_path / "worker-solo-0")
         signer = Signer(key)
-        call = (7, "__servectl_stats__", (), {}, None)
+        call = (7, STATS_METHOD, (), {}, None)
         send_frames(sock, Signer(os.urandom(32)).dumps(call))  # same call, wrong key
         mac, payload = signer.dumps(call)
         send_frames(sock, [mac, payload + b"x"])  # right key, tampered payload

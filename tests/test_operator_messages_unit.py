@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine_core.load_errors import RemoteFailure, permanent_reason
-from engine_core.worker_group import WorkerCallFailed
+from engine_core.workers import WorkerCallFailed
 from manager.children import ChildState
 from manager.group import GroupState
 from servectl import cli

@@ -206,7 +206,7 @@ def worker_replies(daemon) -> dict[str, float]:
 
 
 def test_a_steps_tokens_come_back_unsigned_and_logprobs_as_a_signed_pickle(daemon):
-    """The worker's reply of sampled tokens only skips the pickle and its MACs (engine_core/tokens_reply.py);
+    """The worker's reply of sampled tokens only skips the pickle and its MACs (engine_core/workers/tokens_reply.py);
     a step that carries logprobs is still a signed pickle. Both reach the client the same way."""
     client = daemon.openai()
     before = worker_replies(daemon)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine_core.signing import BadSignature, Signer
+from engine_core.workers.signing import BadSignature, Signer
 
 pytestmark = pytest.mark.unit
 

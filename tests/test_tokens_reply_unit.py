@@ -1,6 +1,6 @@
 """A step's reply of sampled tokens only: unsigned msgpack, equal to the pickle it replaces, or not sent so.
 
-The codec's one rule (engine_core/tokens_reply.py): it encodes only what it
+The codec's one rule (engine_core/workers/tokens_reply.py): it encodes only what it
 decodes back into an equal value of the same type; everything else stays a
 signed pickle. Checked on a stand-in of ``ModelRunnerOutput``'s shape (no
 vLLM here), through the real worker loop and the engine's group, and on
@@ -22,10 +22,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.signing import BadSignature, Signer
-from engine_core.tokens_reply import BadTokensReply, TokensReplyCodec
-from engine_core.worker_group import EXECUTE_AND_SAMPLE, WorkerGroup
-from engine_core.worker_link import UNSIGNED, UNSIGNED_FLAG, FrameReader, HEADER, listen_private
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.link import HEADER, UNSIGNED, UNSIGNED_FLAG, FrameReader, listen_private
+from engine_core.workers.signing import BadSignature, Signer
+from engine_core.workers.tokens_reply import BadTokensReply, TokensReplyCodec
+from servectl.wire.worker import EXECUTE_AND_SAMPLE
 from worker_double import WorkerDouble
 
 pytestmark = pytest.mark.unit
@@ -175,7 +176,7 @@ def test_an_unsigned_frame_is_marked_in_its_length_and_never_unpickled():
 
 
 def test_an_unsigned_length_past_the_limit_is_still_a_frame_error():
-    from engine_core.worker_link import FrameError
+    from engine_core.workers.link import FrameError
 
     with pytest.raises(FrameError):
         FrameReader(max_payload=100).feed(HEADER.pack(101 | UNSIGNED_FLAG, b"") + b"x" * 101)
@@ -221,7 +222,7 @@ class NoAsync:  # no async outputs from this runner
 
 @pytest.fixture
 def worker(ctx, tmp_path):
-    from engine_core.worker import serve
+    from engine_core.workers.worker import serve
 
     runner = Runner()
     listener = listen_private(tmp_path / "w0")

@@ -139,7 +139,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                     overrides=Overrides(port=0, engine_args={"x": 1})),
                      SP.ManagerSpec(config=Config())],
     SP.Role: [SP.Role(module="engine_core", argv=["--key-fd", "@fd0", "--spec-fd", "@fd1"]),
-              SP.Role(module="engine_core.worker", argv=[])],
+              SP.Role(module="engine_core.workers.worker", argv=[])],
     # worker → engine: a step's reply of sampled tokens only (untagged: the only unsigned message)
     WW.TokensReply: [WW.TokensReply(call_id=12, req_ids=["cmpl-a-0", "cmpl-b-0"], sampled_token_ids=[[5], [7, 8]],
                                     empty_dicts=["num_nans_in_logits"]),

@@ -1,4 +1,4 @@
-"""The engine ⇄ worker hop on a Unix stream socket (engine_core/worker_link.py), without vLLM.
+"""The engine ⇄ worker hop on a Unix stream socket (engine_core/workers/link.py), without vLLM.
 
 Framing at every split, garbage and oversized lengths on one connection not
 touching another, a signature still checked before anything is unpickled,
@@ -18,9 +18,8 @@ import time
 import pytest
 import zmq
 
-from engine_core.signing import Signer
-from engine_core.worker_group import WorkerGroup, WorkerHung
-from engine_core.worker_link import (
+from engine_core.workers.group import WorkerGroup, WorkerHung
+from engine_core.workers.link import (
     HEADER,
     FrameError,
     FrameReader,
@@ -28,6 +27,8 @@ from engine_core.worker_link import (
     read_available,
     send_frames,
 )
+from engine_core.workers.signing import Signer
+from servectl.wire.worker import STATS_METHOD
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +102,7 @@ def run_method(wrapper, method, args, kwargs):
 
 @pytest.fixture
 def worker(tmp_path):
-    from engine_core.worker import serve
+    from engine_core.workers.worker import serve
 
     ctx = zmq.Context()
     path = tmp_path / "w0"
@@ -122,7 +123,7 @@ def group(paths, timeout: float = 5.0) -> WorkerGroup:
 
 
 def stats(g: WorkerGroup) -> dict:
-    return g.call("__servectl_stats__", (), None, output_rank=0)[0]
+    return g.call(STATS_METHOD, (), None, output_rank=0)[0]
 
 
 def test_garbage_and_forgeries_on_other_connections_leave_the_engines_alone(worker):
@@ -155,7 +156,7 @@ def test_garbage_and_forgeries_on_other_connections_leave_the_engines_alone(work
 
 
 def test_the_first_call_waits_for_a_worker_that_is_not_listening_yet(tmp_path):
-    from engine_core.worker import serve
+    from engine_core.workers.worker import serve
 
     path = tmp_path / "late"
     ctx = zmq.Context()

@@ -1,6 +1,6 @@
 """A worker test double: a thread listening on a Unix socket that speaks the worker protocol.
 
-Messages are engine_core/worker_link.py's signed pickles on a stream: calls
+Messages are engine_core/workers/link.py's signed pickles on a stream: calls
 ``(call_id, method, args, kwargs, output_rank)``, replies ``(call_id, ok,
 value)``. No vLLM, no torch. The double's thread owns its sockets; the test
 talks to the thread through a queue and a socketpair doorbell.
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_core.signing import Signer
-from engine_core.worker_link import FrameReader, listen_private, read_available, send_frames
+from engine_core.workers.link import FrameReader, listen_private, read_available, send_frames
+from engine_core.workers.signing import Signer
 
 
 class WorkerDouble:

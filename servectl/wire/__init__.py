@@ -13,6 +13,6 @@
 This package depends on msgspec and ``servectl.config`` alone, so every
 process kind imports it without importing another process's package (a unit
 test enforces that boundary). The engine ⇄ worker hop is the one exception to
-msgspec: signed pickles of vLLM's own objects (``engine_core/signing.py``), for
+msgspec: signed pickles of vLLM's own objects (``engine_core/workers/signing.py``), for
 every call and every reply but a ``TokensReply``.
 """

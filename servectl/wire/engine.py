@@ -6,7 +6,7 @@ delta. The hello carries the protocol version, so a mismatched pair fails
 loudly at connect, and the engine's incarnation id, so a gateway never mixes
 the frames of two engine lifetimes.
 
-(The engine ⇄ worker hop carries signed pickles, engine_core/signing.py, and
+(The engine ⇄ worker hop carries signed pickles, engine_core/workers/signing.py, and
 a step's reply of sampled tokens only: servectl/wire/worker.py.)
 """
 

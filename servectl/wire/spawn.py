@@ -73,7 +73,7 @@ class Role(msgspec.Struct, kw_only=True):
     descriptor sent with the role; each side puts its own numbers in.
     """
 
-    module: Literal["engine_core", "engine_core.worker"]
+    module: Literal["engine_core", "engine_core.workers.worker"]
     argv: list[str]
 
 

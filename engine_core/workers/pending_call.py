@@ -1,6 +1,6 @@
 """A call in flight to an engine group's workers: ``PendingCall``, and how it fails (vLLM-free).
 
-``WorkerGroup.send`` (worker_group.py) makes one per call and settles it
+``WorkerGroup.send`` (group.py) makes one per call and settles it
 when every rank has answered, first in, first out. It quacks like the
 ``concurrent.futures.Future`` vLLM's engine core expects from an executor,
 without a Future's locks (docs/decisions.md, "The step's path does as
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine_core.worker_group import WorkerGroup
+    from engine_core.workers.group import WorkerGroup
 
 log = logging.getLogger("engine_core.executor")
 
@@ -26,7 +26,6 @@ class WorkerCallFailed(RuntimeError):
     def __init__(self, message: str, permanent: str | None = None):
         super().__init__(message)
         self.permanent = permanent
-
 
 
 class PendingCall:

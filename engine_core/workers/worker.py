@@ -1,7 +1,7 @@
-"""One tensor-parallel rank of an engine group: ``python -m engine_core.worker``.
+"""One tensor-parallel rank of an engine group: ``python -m engine_core.workers.worker``.
 
 Started by the manager (never by the engine). Listens on a Unix stream socket
-(engine_core/worker_link.py: signed pickles, no ZeroMQ on this hop), blocks
+(link.py: signed pickles, no ZeroMQ on this hop), blocks
 until its engine's executor sends a signed call, runs the call on vLLM's
 ``WorkerWrapperBase`` and replies on the connection the call came on. Each
 connection has its own stream: a peer that sends garbage loses its own
@@ -12,7 +12,7 @@ output_rank)``. Reply: ``(call_id, ok, result_or_error_text)``, in the order
 the calls came. Ranks other than ``output_rank`` reply with None to keep step
 outputs single-copy. A step's ``ModelRunnerOutput`` that holds only sampled
 tokens goes as an unsigned ``TokensReply`` instead of a signed pickle
-(engine_core/tokens_reply.py; ``SERVECTL_TOKENS_REPLY=0`` turns that off,
+(tokens_reply.py; ``SERVECTL_TOKENS_REPLY=0`` turns that off,
 for A/Bs).
 
 Async scheduling. With it vLLM's model runner returns an
@@ -46,15 +46,14 @@ from typing import Any
 import zmq
 
 from engine_core.load_errors import RemoteFailure, permanent_reason
-from engine_core.signing import BadSignature, Signer, read_key
-from engine_core.spin import WORKER_SPIN_ENV, spin_seconds
-from engine_core.tokens_reply import TokensReplyCodec
-from engine_core.worker_group import EXECUTE_AND_SAMPLE  # noqa: F401  (re-exported: the fused call's name)
-from engine_core.worker_link import UNSIGNED, FrameError, FrameReader, listen_private, read_available, send_frames
+from engine_core.workers.link import UNSIGNED, FrameError, FrameReader, listen_private, read_available, send_frames
+from engine_core.workers.signing import BadSignature, Signer, read_key
+from engine_core.workers.spin import WORKER_SPIN_ENV, spin_seconds
+from engine_core.workers.tokens_reply import TokensReplyCodec
 from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
+from servectl.wire.worker import EXECUTE_AND_SAMPLE, STATS_METHOD
 
-STATS_METHOD = "__servectl_stats__"
 TOKENS_REPLY_ENV = "SERVECTL_TOKENS_REPLY"  # "0": every reply a signed pickle (an A/B of the encoding)
 _pair_ids = itertools.count()
 
@@ -351,7 +350,7 @@ def _handle(peer: int, frames: list[bytes], replies: Replies, signer: Signer, ra
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine_core.worker")
+    ap = argparse.ArgumentParser(prog="python -m engine_core.workers.worker")
     ap.add_argument("--model", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--runtime-dir", required=True)

@@ -1,9 +1,11 @@
-"""vLLM Executor that drives manager-started worker processes (over engine_core/worker_link.py).
+"""vLLM Executor that drives manager-started worker processes (over link.py).
 
 ``LLMEngine`` runs in the engine process with
-``distributed_executor_backend=WorkerGroupExecutor``. The calls, their futures, the
-reply deadline and freezing live in ``worker_group.py`` (no vLLM there); this
-module is the thin vLLM side.
+``distributed_executor_backend=executor_for(group)``: vLLM instantiates the
+executor class itself, so the group it drives is bound to a subclass made per
+group (no module global: two executors with different groups live in one
+process). The calls, their futures, the reply deadline and freezing live in
+``group.py`` (no vLLM there); this module is the thin vLLM side.
 
 Async scheduling. ``supports_async_scheduling()`` is true, so vLLM turns it on
 by default where the platform allows (on CPU, ``platforms/cpu.py`` turns it
@@ -19,23 +21,24 @@ from __future__ import annotations
 
 import logging
 
-from engine_core.step_calls import StepCalls
-from engine_core.tokens_reply import TokensReplyCodec
-from engine_core.worker_group import (  # noqa: F401  (the engine's names for them)
-    EXECUTE_AND_SAMPLE,
-    PendingCall,
-    WorkerGroup,
-    WorkerHung,
-)
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.step_calls import StepCalls
+from engine_core.workers.tokens_reply import TokensReplyCodec
 from vllm.v1.executor.abstract import Executor
 
 log = logging.getLogger("engine_core.executor")
 
-GROUP: WorkerGroup | None = None
+
+def executor_for(group: WorkerGroup) -> type["WorkerGroupExecutor"]:
+    """The executor class to give vLLM (``distributed_executor_backend``) for ``group``."""
+    return type("WorkerGroupExecutor", (WorkerGroupExecutor,), {"group": group, "__module__": __name__})
 
 
 class WorkerGroupExecutor(Executor):
+    """vLLM's executor over a ``WorkerGroup``; vLLM gets a subclass bound to one (``executor_for``)."""
+
     supports_pp = False
+    group: WorkerGroup | None = None  # bound per group by executor_for
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
@@ -49,12 +52,11 @@ class WorkerGroupExecutor(Executor):
         return self.vllm_config.max_concurrent_batches
 
     def _init_executor(self) -> None:
-        if GROUP is None:
-            raise RuntimeError("WorkerGroupExecutor needs engine_core to set executor.GROUP first")
-        self.group = GROUP
+        if self.group is None:
+            raise RuntimeError("WorkerGroupExecutor has no group: give vLLM executor_for(group)")
         from vllm.v1.outputs import ModelRunnerOutput
 
-        # A step's reply of sampled tokens only comes unsigned (engine_core/tokens_reply.py).
+        # A step's reply of sampled tokens only comes unsigned (tokens_reply.py).
         self.group.tokens_codec = TokensReplyCodec(ModelRunnerOutput)
         world = self.parallel_config.world_size
         if world != self.group.ranks:

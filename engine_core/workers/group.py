@@ -48,23 +48,19 @@ from typing import Any
 
 import zmq
 
-from engine_core.pending_call import PendingCall, WorkerCallFailed  # noqa: F401  (the group's names for them)
-from engine_core.signing import BadSignature, Signer
-from engine_core.spin import ENGINE_SPIN_ENV, spin_seconds
-from engine_core.step_deadline import StepDeadline
-from engine_core.tokens_reply import BadTokensReply, TokensReplyCodec
-from engine_core.worker_link import FrameError, FrameReader, read_available, send_frames
+from engine_core.workers.link import FrameError, FrameReader, read_available, send_frames
+from engine_core.workers.pending_call import PendingCall
+from engine_core.workers.signing import BadSignature, Signer
+from engine_core.workers.spin import ENGINE_SPIN_ENV, spin_seconds
+from engine_core.workers.step_deadline import StepDeadline
+from engine_core.workers.tokens_reply import BadTokensReply, TokensReplyCodec
+from servectl.wire.worker import STEP_METHODS
 
 log = logging.getLogger("engine_core.executor")
 
 # How often the first call retries connecting to a worker that is not listening yet
 # (it binds its socket before importing vLLM; the engine's first call comes after its own).
 CONNECT_RETRY_S = 0.01
-
-# execute_model, then sample_tokens(None) if it returned None: one round trip
-# per step instead of two when no request needs a grammar (see step_calls.StepCalls).
-EXECUTE_AND_SAMPLE = "__servectl_execute_and_sample__"
-STEP_METHODS = frozenset({"execute_model", EXECUTE_AND_SAMPLE})
 
 
 class WorkerHung(RuntimeError):
@@ -98,10 +94,10 @@ class WorkerGroup:
     step_floor_s: float = 5.0
     step_multiple: float = 20.0
     # Spin (poll without blocking) this long for a reply before blocking in the kernel:
-    # SERVECTL_ENGINE_SPIN_US (engine_core/spin.py); 0 blocks at once.
+    # SERVECTL_ENGINE_SPIN_US (spin.py); 0 blocks at once.
     spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
-    # One Unix stream socket per rank (engine_core/worker_link.py), connected at the first call.
+    # One Unix stream socket per rank (link.py), connected at the first call.
     sockets: list[socket.socket | None] = field(default_factory=list)
     readers: list[FrameReader] = field(default_factory=list)
     # Outstanding calls by id, oldest first.

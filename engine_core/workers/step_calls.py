@@ -10,8 +10,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from engine_core.step_deadline import StepKinds
-from engine_core.worker_group import EXECUTE_AND_SAMPLE, PendingCall, WorkerGroup
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.pending_call import PendingCall
+from engine_core.workers.step_deadline import StepKinds
+from servectl.wire.worker import EXECUTE_AND_SAMPLE
 
 
 class StepCalls:

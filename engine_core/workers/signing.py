@@ -4,7 +4,7 @@ Every pickled frame is ``[mac, payload]`` with ``mac = HMAC-SHA256(key, payload)
 key generated per engine group by the manager and handed over through an
 inherited pipe (never argv or the environment). The signature is checked
 before a byte is unpickled (as Jupyter's wire protocol does). A step's reply
-of sampled tokens only is not pickled and not signed (engine_core/tokens_reply.py);
+of sampled tokens only is not pickled and not signed (tokens_reply.py);
 its frame carries an empty MAC, which ``loads`` refuses.
 
 The MAC is RFC 2104's HMAC-SHA256, computed from the key's two padded SHA-256
