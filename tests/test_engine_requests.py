@@ -16,6 +16,8 @@ import pytest
 
 from servectl.config import DEFAULT_ENGINE_ARGS, DEFAULT_MODEL_DIR, ModelConfig
 
+pytestmark = pytest.mark.vllm_unit  # vLLM's classes, no daemon
+
 MAX_MODEL_LEN = 512
 
 

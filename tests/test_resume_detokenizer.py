@@ -17,6 +17,8 @@ import pytest
 from servectl.config import DEFAULT_MODEL_DIR
 from servectl.wire import engine as EP
 
+pytestmark = pytest.mark.vllm_unit  # vLLM's detokenizer, no daemon
+
 TEXT = "def parse(self, data):\n    return self.parser.parse(data) or None  # é ünïcode 💥 end\n"
 
 

@@ -12,9 +12,13 @@ import inspect
 import json
 import typing
 
+import pytest
+
 from api_gateway.fields import LEGACY_GUIDED
 from servectl.config import GenerationKey
 from tools import vllm_fields
+
+pytestmark = pytest.mark.vllm_unit  # the installed vLLM's classes, no daemon
 
 
 def test_the_checked_in_field_list_is_the_installed_vllms():
