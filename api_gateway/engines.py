@@ -167,7 +167,7 @@ class EngineLink:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.identity)
-        # Never queue frames for a peer that is not connected (DESIGN.md).
+        # Never queue frames for a peer that is not connected (../shared/DESIGN.md).
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.sndhwm is not None:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)

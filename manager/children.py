@@ -1,6 +1,6 @@
 """One supervised process and its state: the single owner of that state.
 
-States (DESIGN.md): ``starting → ready → (stopping → stopped) | (exited →
+States (../shared/DESIGN.md): ``starting → ready → (stopping → stopped) | (exited →
 backoff → starting) | failed``, plus ``idle (frozen)`` for a worker its
 engine froze. Every change goes through ``Child.set``, which timestamps it and
 reports it to the listener (the manager publishes it on the events socket).

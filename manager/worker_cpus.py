@@ -20,7 +20,7 @@ when torch loads, long before the standby knows its rank.
 Unlike `vllm serve` (whose default is "auto"), servectl's default is
 "nobind": in alternating rounds on a 2-core machine, binding the worker to
 core 0 as `vllm serve` does gained nothing (c=1 0.94–1.03×, c=16 0.82–1.12×
-of unbound; docs/performance.md), and a bound worker cannot move off a core
+of unbound; bench/results/2026-11-30-bind-ab.md), and a bound worker cannot move off a core
 another process keeps busy. A model's own ``OMP_NUM_THREADS`` wins over all
 of it.
 """

@@ -30,7 +30,7 @@ so the manager restarts the group. Nothing waits while nothing is in flight.
 
 Freezing. Idle workers are frozen (SIGSTOP through pidfds the manager passed
 in) and thawed (SIGCONT) before the next call; a group with a call in flight
-is never frozen. See DESIGN.md "Frozen when idle".
+is never frozen. See ../shared/DESIGN.md "Frozen when idle".
 """
 
 from __future__ import annotations

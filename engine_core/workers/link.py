@@ -6,7 +6,7 @@ thread and the receiver's, each woken in the kernel and each needing a core,
 before the receiving thread sees it. On a Unix socket the receiving thread
 reads what the sending thread wrote (`python -m bench.hop_rtt`: round trip
 p50 105 against 17 µs with both ends spinning, p90 154 against 19 µs;
-docs/performance.md).
+bench/results/2026-11-30-hop-rtt.md).
 
 A message on the stream is an 8-byte big-endian payload length, the payload's
 32-byte HMAC-SHA256 and the payload: exactly the ``[mac, payload]`` frames of

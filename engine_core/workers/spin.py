@@ -8,7 +8,7 @@ polls for a step's reply for up to ``SERVECTL_ENGINE_SPIN_US`` µs (default
 empty poll yields the core (``sched_yield``, as the reader of vLLM's
 shared-memory ring does), so a spinner never keeps a core from the process
 that has work: without the yield, spinning lost 19–33 % on 2 cores; with it,
-it gained (docs/performance.md). Neither spins while nothing is in flight,
+it gained (bench/results/2026-11-30-yield-spin-ab.md). Neither spins while nothing is in flight,
 so an idle tree stays asleep; 0 blocks at once. The engine starts its spin
 for a step of a familiar size only shortly before that size's usual reply
 (``WorkerGroup._spin_from``), sleeping in the kernel until then.

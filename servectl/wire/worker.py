@@ -13,8 +13,8 @@ msgpack-encoded and unsigned, and the engine rebuilds vLLM's
 ``ModelRunnerOutput`` from it (engine_core/workers/tokens_reply.py). Decoding it
 runs no code from the message, so it needs no signature, as no other
 msgspec hop in servectl does; skipping the pickle and the two HMACs takes
-≈ 150 µs off every step's path on a 2-core CPU host (docs/decisions.md,
-docs/performance.md).
+≈ 150 µs off every step's path on a 2-core CPU host (docs/decisions.md;
+bench/results/2026-12-01-tokens-reply-ab.md).
 Everything else on the hop, every call included, stays a signed pickle.
 
 On the stream the struct's frame is marked by ``UNSIGNED_FLAG``
