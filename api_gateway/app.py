@@ -42,6 +42,7 @@ from servectl.paths import RuntimePaths
 from servectl.wire import control as MP
 from servectl.wire import engine as EP
 from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity, read_spec_fd
+from servectl.wire.vocab import ModelState
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
@@ -203,7 +204,7 @@ class Gateway:
         states = {name: link.status for name, link in links.items()}
         ok = all(s in MP.AVAILABLE for s in states.values()) and not self.draining
         body = {"status": "ok" if ok else ("draining" if self.draining else "unavailable"), "models": {
-            name: {"state": s, **({"reason": links[name].reason} if links[name].reason and s != "ready" else {})}
+            name: {"state": s, **({"reason": links[name].reason} if links[name].reason and s is not ModelState.READY else {})}
             for name, s in states.items()}}
         return web.json_response(body, status=200 if ok else 503)
 

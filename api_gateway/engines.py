@@ -24,13 +24,15 @@ import zmq
 import zmq.asyncio
 
 from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
-from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, LinkState
+from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, WORDS, LinkState
 from servectl.wire import engine as EP
+from servectl.wire.vocab import ModelState
 
 __all__ = ["EngineLink", "EngineRequestError", "EngineUnavailable", "LinkState", "RequestStream", "TRANSITIONS"]
 
 log = logging.getLogger("api_gateway.engines")
 S = LinkState
+M = ModelState
 
 
 @dataclass(eq=False)
@@ -72,9 +74,9 @@ class EngineLink:
         # The engine's step deadline as it last published it (None until it is warm): hangs are
         # then found in that many seconds, not in the configured cold ones.
         self.step_deadline_s: float | None = None
-        # What /health and /v1/models say while not READY: the manager's word for the model
-        # ("starting", "stopping", "backoff", ...), or "failed"/"removed" when the link decided.
-        self.word = "starting"
+        # The manager's word for the model that put the link in its state (``status`` says it
+        # where the state alone cannot: DOWN after backoff or exited, DRAINING after stopping).
+        self.manager_word: ModelState | None = None
         self.reason: str | None = None
         self.incarnation = ""  # set once the engine answered our Hello
         self.connecting_to = ""  # the incarnation our socket was opened for
@@ -100,9 +102,10 @@ class EngineLink:
         return self.state is S.READY
 
     @property
-    def status(self) -> str:
+    def status(self) -> ModelState:
         """"ready", or why not in the manager's words (what /health and /v1/models report)."""
-        return "ready" if self.state is S.READY else self.word
+        said = self.manager_word
+        return said if said is not None and MANAGER_STATES.get(said) is self.state else WORDS[self.state]
 
     def _swap(self, expected: frozenset[LinkState], new: LinkState) -> bool:
         """The one place the state changes: only from an expected state, only along TRANSITIONS."""
@@ -111,6 +114,7 @@ class EngineLink:
             log.warning("engine link %s: %s -> %s refused", self.model, old.value, new.value)
             return False
         self.state = new
+        self.manager_word = None  # on_model_state sets it when the manager's word made this change
         if new is S.READY or new is S.REMOVED:
             self.ready.set()
         else:
@@ -124,11 +128,16 @@ class EngineLink:
         return True
 
     # ---- following the manager --------------------------------------------------
-    def on_model_state(self, state: str, incarnation: str, reason: str | None,
+    def on_model_state(self, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None) -> None:
+        try:
+            state = ModelState(state)
+        except ValueError:
+            log.warning("engine link %s: unknown model state %r ignored", self.model, state)
+            return
         self.reason = reason or None
         self.hold_timeout_s = hold_timeout_s
-        if state == "ready":
+        if state is M.READY:
             if incarnation and incarnation == self.incarnation and self.sock is not None:
                 # The engine that answered our Hello serves again (woken from sleep); the same
                 # incarnation is also announced again on every freeze/thaw and in the snapshot.
@@ -139,25 +148,21 @@ class EngineLink:
             if incarnation != self.connecting_to or self.sock is None:
                 self._connect(incarnation)
             return
-        if state == "releasing":
-            return  # the engine decides: it serves what it gets, or bounces it once it agreed
         new = MANAGER_STATES.get(state)
-        if new is None:
-            log.warning("engine link %s: unknown model state %r ignored", self.model, state)
-            return
-        if (new in (S.DOWN, S.FAILED) or state == "released") and self.sock is not None:
-            why = {"failed": "failed", "released": "was released"}.get(state, "exited")
+        if new is None:  # RELEASING: the engine decides (it serves what it gets, or bounces it once it agreed);
+            return  # REMOVED: ManagerLink removes the link
+        if (new in (S.DOWN, S.FAILED) or state is M.RELEASED) and self.sock is not None:
+            why = {M.FAILED: "failed", M.RELEASED: "was released"}.get(state, "exited")
             self._disconnect(f"the engine for model {self.model!r} {why}" + (f" ({reason})" if reason else ""))
         # STARTING and DRAINING keep the socket: a draining engine finishes what it has, and
         # a new incarnation's "ready" replaces the socket (failing what is left on it).
         if self._swap(LIVE, new):
-            self.word = state
+            self.manager_word = state
 
     def remove(self) -> None:
         """The model was unloaded: fail what is left and wake whoever waits."""
         self._disconnect(f"model {self.model!r} was unloaded")
-        if self._swap(LIVE, S.REMOVED):
-            self.word = "removed"
+        self._swap(LIVE, S.REMOVED)
 
     def _connect(self, incarnation: str) -> None:
         if not self._swap(LIVE, S.CONNECTING):
@@ -240,8 +245,9 @@ class EngineLink:
         elif isinstance(msg, EP.RequestError) and msg.released:
             # The engine agreed to give its memory back: nothing more goes to it, and the
             # request (not started) waits for the wake like any other (sequences.py sends it again).
-            if self.state is S.READY and self._swap(frozenset({S.READY}), S.RELEASED):
-                self.word = "released"  # (later bounces, from requests sent meanwhile, change nothing)
+            # (later bounces, from requests sent meanwhile, change nothing)
+            if self.state is S.READY:
+                self._swap(frozenset({S.READY}), S.RELEASED)
             stream = self.streams.pop(msg.request_id, None)
             if stream is not None:
                 stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
@@ -262,7 +268,7 @@ class EngineLink:
         if msg.version != EP.PROTOCOL_VERSION:
             log.error("engine %s speaks protocol %d, this gateway %d", self.model, msg.version, EP.PROTOCOL_VERSION)
             if self._swap(HELLO_PENDING, S.FAILED):
-                self.word, self.reason = "failed", "protocol version mismatch"
+                self.reason = "protocol version mismatch"
             return
         if msg.incarnation != incarnation:
             return  # hello of a different lifetime of the engine

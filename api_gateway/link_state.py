@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from servectl.wire.vocab import ModelState
+
 
 class LinkState(enum.Enum):
     # No engine to talk to yet: the manager is starting one. New requests wait.
@@ -57,16 +59,32 @@ TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
     S.REMOVED: frozenset(),
 }
 
-# The manager's states for a model ("ready" connects, "removed" is EngineLink.remove;
-# "releasing" changes nothing: the engine, which may still refuse, answers requests itself).
-MANAGER_STATES = {
-    "starting": S.STARTING,
-    "draining": S.DRAINING,
-    "stopping": S.DRAINING,
-    "exited": S.DOWN,
-    "backoff": S.DOWN,
-    "stopped": S.DOWN,
-    "failed": S.FAILED,
-    "released": S.RELEASED,  # unloaded: no engine (the socket is closed)
-    "asleep": S.RELEASED,  # vLLM's sleep mode: the engine lives (the socket stays)
+# The manager's states for a model (READY connects, REMOVED is EngineLink.remove;
+# RELEASING changes nothing: the engine, which may still refuse, answers requests itself).
+M = ModelState
+MANAGER_STATES: dict[ModelState, LinkState] = {
+    M.STARTING: S.STARTING,
+    M.DRAINING: S.DRAINING,
+    M.STOPPING: S.DRAINING,
+    M.EXITED: S.DOWN,
+    M.BACKOFF: S.DOWN,
+    M.STOPPED: S.DOWN,
+    M.FAILED: S.FAILED,
+    M.RELEASED: S.RELEASED,  # unloaded: no engine (the socket is closed)
+    M.ASLEEP: S.RELEASED,  # vLLM's sleep mode: the engine lives (the socket stays)
+}
+
+# What /health and /v1/models say for each state, in the manager's words. Where one link state
+# stands for several of the manager's (DOWN, DRAINING, RELEASED), the manager's own word that
+# put the link there is said instead (EngineLink.status). CONNECTING: the engine has not
+# answered our Hello yet, so for the gateway it is still starting.
+WORDS: dict[LinkState, ModelState] = {
+    S.STARTING: M.STARTING,
+    S.CONNECTING: M.STARTING,
+    S.READY: M.READY,
+    S.DRAINING: M.DRAINING,
+    S.DOWN: M.STOPPED,
+    S.FAILED: M.FAILED,
+    S.REMOVED: M.REMOVED,
+    S.RELEASED: M.RELEASED,
 }

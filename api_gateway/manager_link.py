@@ -22,6 +22,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.metrics import Metrics
 from servectl.paths import RuntimePaths
 from servectl.wire import control as MP
+from servectl.wire.vocab import EventKind, ModelState
 
 log = logging.getLogger("api_gateway.manager_link")
 
@@ -77,16 +78,15 @@ class ManagerLink:
                         ev = MP.event_decoder.decode(body)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
-                    if ev.kind == "model" and ev.model:
+                    if ev.kind is EventKind.MODEL and ev.model:
+                        # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s)
-                    elif ev.kind == MP.DEADLINE and ev.model:
-                        try:
-                            self.on_deadline(ev.model, float(ev.detail), ev.incarnation)
-                        except ValueError:
-                            pass
+                    elif ev.kind is EventKind.DEADLINE and ev.model:
+                        if ev.step_deadline_s is not None:
+                            self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
                         continue
                     self.metrics.child_state(ev.component, ev.state)
-                    if ev.kind == "model" and ev.state == "exited" and self.count_restarts:
+                    if ev.kind is EventKind.MODEL and ev.state == ModelState.EXITED and self.count_restarts:
                         self.metrics.engine_restarts.labels(model=ev.model).inc()
                 else:
                     try:
@@ -103,11 +103,11 @@ class ManagerLink:
                         await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
                                                                                  pid=os.getpid())))
 
-    def on_model_event(self, model: str, state: str, incarnation: str, reason: str | None,
+    def on_model_event(self, model: str, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`)."""
         link = self.links.get(model)
-        if state == "removed":
+        if state == ModelState.REMOVED:
             if link is not None:
                 link.remove()
                 del self.links[model]

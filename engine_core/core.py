@@ -18,7 +18,6 @@ engine) is ``engine_core/main.py``.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
@@ -39,14 +38,13 @@ from engine_core.workers import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
 from servectl.wire.spawn import EngineSpec, engine_component
+from servectl.wire.vocab import IdleMode
 
 log = logging.getLogger("engine_core")
 # While requests run, adding new ones (tokenising, chat templates) gets this much time
 # between two steps; the rest wait for the next gap, so a large batch arriving does not
 # stall the tokens of requests already running. An idle engine adds everything at once.
 ADD_BUDGET_S = 0.01
-# Exit status when a step failed: the engine's state is unknown, the manager restarts the group.
-EXIT_STEP_FAILED = 70
 
 
 class StepFailed(RuntimeError):
@@ -73,7 +71,7 @@ class EngineServer:
         return TokenizerEndpoints(self.builder)
 
     def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket,
-                 release_mode: str = "unload", device_memory=lambda: None, halves: StepHalves | WholeStep | None = None):
+                 release_mode: IdleMode = IdleMode.UNLOAD, device_memory=lambda: None, halves: StepHalves | WholeStep | None = None):
         self.spec = spec
         self.engine = engine
         self.group = group
@@ -290,8 +288,8 @@ class EngineServer:
         """ChildReady to the manager: at start, and after a wake from sleep (same incarnation)."""
         self.control.send(MP.encoder.encode(MP.ChildReady(
             component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
-            detail=json.dumps({"max_model_len": self.max_model_len, "idle_release": self.idle.mode,
-                               "device_memory_bytes": self.idle.device_memory()}))))
+            max_model_len=self.max_model_len, idle_release=self.idle.mode,
+            device_memory_bytes=self.idle.device_memory())))
 
     def _on_freezing(self, msg: MP.FreezingControl) -> None:
         if msg.enabled:

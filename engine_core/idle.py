@@ -32,9 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from servectl.wire.vocab import IdleMode
+
 log = logging.getLogger("engine_core")
 
-UNLOAD, SLEEP = "unload", "sleep"
+UNLOAD, SLEEP = IdleMode.UNLOAD, IdleMode.SLEEP
 
 
 class SleepingEngine(Protocol):
@@ -48,12 +50,12 @@ class SleepingEngine(Protocol):
 
 @dataclass(frozen=True)
 class BuildChoice:
-    mode: str  # the mode in force: the configured one, or "unload" where sleep is not available
+    mode: IdleMode  # the mode in force: the configured one, or UNLOAD where sleep is not available
     engine_args: dict[str, Any]  # what to add to the engine arguments
     warning: str | None = None
 
 
-def build_choice(configured: str, sleep_available: bool, after_s: float, model: str) -> BuildChoice:
+def build_choice(configured: IdleMode, sleep_available: bool, after_s: float, model: str) -> BuildChoice:
     """How to build the engine for the configured idle release (sleep mode must be enabled at build)."""
     if configured != SLEEP or after_s <= 0:
         return BuildChoice(UNLOAD if configured != SLEEP else SLEEP, {})
@@ -77,11 +79,11 @@ def device_memory_in_use(_worker: Any) -> int | None:
 class IdleRelease:
     """One engine's idle-release state; the engine loop asks it and tells it."""
 
-    def __init__(self, engine: SleepingEngine, after_s: float, mode: str, level: int,
+    def __init__(self, engine: SleepingEngine, after_s: float, mode: IdleMode, level: int,
                  device_memory: Callable[[], int | None] = lambda: None):
         self.engine = engine
         self.after_ms = int(after_s * 1000) if after_s > 0 else None
-        self.mode = mode
+        self.mode = IdleMode(mode)
         self.level = level
         self.device_memory = device_memory
         self.reported = False  # GroupIdle sent for the current idle period

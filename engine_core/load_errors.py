@@ -4,7 +4,7 @@ An engine (or one of its workers) that cannot load its model because of a file
 that is missing, an engine argument vLLM rejects, an architecture vLLM does not
 support, or too little memory for the weights would fail the same way on every
 restart. The engine tells the manager so (``EngineFailed`` with the one-line
-reason from ``permanent_reason``, then exit ``EXIT_PERMANENT``) and the group
+reason from ``permanent_reason``, then exit ``ExitCode.PERMANENT``) and the group
 fails at once. Anything else (a worker that died or hung, a network or device
 error, an unknown RuntimeError) is a crash like any other: restarted with
 backoff until the crash loop says ``failed``.

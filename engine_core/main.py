@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_core.core import EXIT_STEP_FAILED, EngineServer, StepFailed
+from engine_core.core import EngineServer, StepFailed
 from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.load_errors import permanent_reason
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
@@ -36,6 +36,7 @@ from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire import control as MP
 from servectl.wire.spawn import EngineSpec, engine_identity, read_spec_fd
+from servectl.wire.vocab import ExitCode
 
 log = logging.getLogger("engine_core")
 # "module:function" building the engine from the EngineSpec instead of vLLM's
@@ -121,14 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             ))
     except WorkerHung as exc:
         log.error("engine start failed: %s", exc)
-        return 75
+        return ExitCode.HUNG
     except Exception as exc:
         reason = permanent_reason(exc)
         if reason is None:
             raise  # a crash like any other: its traceback in the log, restarted with backoff
         log.exception("engine start failed; a restart cannot fix this: %s", reason)
         report_permanent_failure(control, spec, reason)
-        return MP.EXIT_PERMANENT
+        return ExitCode.PERMANENT
 
     def device_memory() -> int | None:
         """Accelerator memory in use on the workers' devices (None on CPU: no call, no thaw)."""
@@ -156,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     except WorkerHung as exc:
         log.error("%s: the group is hung; exiting so the manager restarts it", exc)
-        exit_now(75, group)
+        exit_now(ExitCode.HUNG, group)
     except StepFailed as exc:
         log.exception("a step failed (%s): the engine's state is unknown; exiting so the manager restarts "
                       "the group", exc)
-        exit_now(EXIT_STEP_FAILED, group)
+        exit_now(ExitCode.STEP_FAILED, group)
     log.info("executor: %s", group.counters())
     return 0
 
@@ -188,7 +189,7 @@ def report_permanent_failure(control: zmq.Socket, spec: EngineSpec, reason: str,
                 return
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue  # a message for a serving engine (AbortPeer, ...): not ours now
-    log.warning("the manager did not acknowledge the failure report; exiting %d anyway", MP.EXIT_PERMANENT)
+    log.warning("the manager did not acknowledge the failure report; exiting %d anyway", ExitCode.PERMANENT)
 
 
 def exit_now(code: int, group) -> None:

@@ -21,24 +21,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 from manager.logs import LogSink, journal_mode
 from servectl.wire.spawn import STANDBY, standby_component
+from servectl.wire.vocab import ChildState, EventKind
 
-
-
-class ChildState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    FROZEN = "idle (frozen)"  # a worker its idle engine has SIGSTOPped
-    ASLEEP = "asleep"  # a member of a group in vLLM's sleep mode (idle release)
-    STOPPING = "stopping"  # asked to exit: its exit is not a crash
-    STOPPED = "stopped"
-    EXITED = "exited"
-    BACKOFF = "backoff"
-    FAILED = "failed"
+__all__ = ["Child", "ChildState", "RestartPolicy", "Standby", "describe_exit"]
 
 
 @dataclass
@@ -79,7 +68,7 @@ def describe_exit(status: int, code: int) -> str:
 class Child:
     """A process the manager execs, watches through a pidfd and may restart."""
 
-    def __init__(self, component: str, kind: str, model: str | None, log_path: Path,
+    def __init__(self, component: str, kind: EventKind, model: str | None, log_path: Path,
                  on_change: Callable[["Child", str], None], on_exit: Callable[["Child"], None] = lambda c: None):
         self.component = component
         self.kind = kind
@@ -94,7 +83,10 @@ class Child:
         self.pidfd: int | None = None
         self.restarts = 0
         self.starts = 0
-        self.last_exit: str | None = None
+        self.last_exit: str | None = None  # in words (describe_exit)
+        # The last exit as the kernel said it: its status if it exited, its signal's number if killed.
+        self.exit_code: int | None = None
+        self.exit_signal: int | None = None
         self.exit_ok = False
         self.exited_waiters: list = []
         self.output_fd: int | None = None
@@ -164,11 +156,14 @@ class Child:
         if info is None:
             self.popen.returncode = -1
             self.last_exit = "exited (status unknown)"
+            self.exit_code = self.exit_signal = None
             self.exit_ok = False
         else:
-            self.popen.returncode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            exited = info.si_code == os.CLD_EXITED
+            self.popen.returncode = info.si_status if exited else -info.si_status
             self.last_exit = describe_exit(info.si_status, info.si_code)
-            self.exit_ok = info.si_code == os.CLD_EXITED and info.si_status == 0
+            self.exit_code, self.exit_signal = (info.si_status, None) if exited else (None, info.si_status)
+            self.exit_ok = exited and info.si_status == 0
         for fut in self.exited_waiters:
             if not fut.done():
                 fut.set_result(self.last_exit)

@@ -172,7 +172,7 @@ class ControlServer:
         if name.kind == ENGINE:
             group = self.manager.groups.get(name.model)
             if group is not None and group.engine.pid == msg.pid:
-                group.on_ready(msg.incarnation, msg.detail)
+                group.on_ready(msg)
         elif name.kind == GATEWAY:
             self.manager.gateways.on_ready(msg, name.index)
             self.manager.check_settled()

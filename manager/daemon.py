@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import time
-from enum import StrEnum
 from pathlib import Path
 
 import zmq
@@ -43,6 +42,7 @@ from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_i
                            rss_bytes, with_package_path)
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_component, engine_identity, model_component
+from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ManagerState
 
 log = logging.getLogger("manager")
 
@@ -55,13 +55,6 @@ class StartupError(Exception):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class ManagerState(StrEnum):
-    STARTING = "starting"  # until every model and gateway is settled
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 class Manager:
@@ -200,9 +193,9 @@ class Manager:
 
     def on_step_deadline(self, group: EngineGroup) -> None:
         """The engine's step deadline changed: an event (gateways find hangs by it; an operator sees it)."""
-        self.publish(P.Event(component=engine_component(group.name), kind=P.DEADLINE, model=group.name, state="armed",
-                             pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
-                             detail=f"{group.step_deadline_s:.3f}"))
+        self.publish(P.Event(component=engine_component(group.name), kind=EventKind.DEADLINE, model=group.name,
+                             state=ARMED, pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
+                             detail=f"{group.step_deadline_s:.3f}", step_deadline_s=group.step_deadline_s))
 
     def publish(self, ev: P.Event) -> None:
         try:
@@ -233,7 +226,8 @@ class Manager:
             children=[P.ChildStatus(
                 component=c.component, kind=c.kind, model=c.model, pid=c.pid, ppid=ppid_of(c.pid), state=c.state,
                 since=c.since, started_at=c.started_at if c.alive else None, restarts=c.restarts,
-                last_exit=c.last_exit, last_log=c.tail(15) if c.state in ("failed", "backoff", "exited") else [])
+                last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
+                exit_code=c.exit_code, exit_signal=c.exit_signal)
                 for c in children],
             models=[self.model_status(g) for g in self.groups.values()])
 

@@ -14,14 +14,12 @@ sending to its engine, waiting for exits, and the standby pool.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
-from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +28,7 @@ from manager.standbys import StandbyPool
 from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
 from servectl.wire import control as P
+from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
 from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
                                  resolve_fd_args, spec_fd, worker_component)
 
@@ -47,27 +46,8 @@ ENGINE_ENV = {
 }
 
 
-class GroupState(StrEnum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"  # no new requests; in-flight ones finish (then stopping)
-    STOPPING = "stopping"  # asked to exit: member exits are not crashes
-    EXITED = "exited"  # a member died; the others are being killed
-    BACKOFF = "backoff"  # all gone; a restart is scheduled
-    FAILED = "failed"  # crash loop: stays until an operator's restart
-    REMOVED = "removed"  # unloaded, or replaced by a reload: the group is gone for good
-    # Idle release (docs/supervision.md). The engine said it has been idle for
-    # idle_release_s and was asked to give its memory back; it may refuse (a
-    # request came meanwhile: back to ready).
-    RELEASING = "releasing"
-    # Memory given back by stopping the group ("unload"; also a model with
-    # autostart = false before its first request): no engine or worker
-    # process, the warm standbys kept. A gateway's WakeModel starts it.
-    RELEASED = "released"
-    # Memory given back with vLLM's sleep mode ("sleep"): engine and workers
-    # alive, weights offloaded or discarded. A gateway's WakeModel wakes it.
-    ASLEEP = "asleep"
+# The model's state is the group's: the wire's one spelling of it.
+GroupState = ModelState
 
 
 S = GroupState
@@ -94,9 +74,8 @@ MEMBER_STATE: dict[GroupState, ChildState | None] = {
     S.FAILED: ChildState.FAILED, S.REMOVED: None, S.RELEASING: None, S.RELEASED: ChildState.STOPPED,
     S.ASLEEP: ChildState.ASLEEP,
 }
-# Where a model serves no request now but one will be served (held, then the model woken):
-# settled for `servectl start`, available for /health.
-IDLE_RELEASED = frozenset({S.RELEASED, S.ASLEEP})
+# IDLE_RELEASED (wire/vocab.py): where a model serves no request now but one will be served
+# (held, then the model woken): settled for `servectl start`, available for /health.
 
 
 class BadTransition(RuntimeError):
@@ -258,24 +237,17 @@ class EngineGroup:
         """autostart = false: configured and listed, started by its first request (WakeModel)."""
         self._swap({S.STOPPED}, S.RELEASED, "autostart = false: starts on its first request")
 
-    def on_ready(self, incarnation: str, detail: str = "") -> None:
+    def on_ready(self, msg: P.ChildReady) -> None:
         """The engine serves: built (a start) or awake again (a wake from sleep)."""
-        if incarnation != self.incarnation or self.state is not S.STARTING:
+        if msg.incarnation != self.incarnation or self.state is not S.STARTING:
             return
-        try:
-            said = json.loads(detail) if detail else {}
-        except ValueError:
-            said = {}
-        if not isinstance(said, dict):
-            said = {}
-        mode = said.get("idle_release")
-        if mode in ("unload", "sleep"):
+        mode = msg.idle_release
+        if mode is not None:
             if mode != self.release_mode:
                 log.warning("model %s: idle_release = %r is not available here (vLLM has no sleep mode on this "
-                            "platform); an idle model is unloaded instead", self.name, self.release_mode)
+                            "platform); an idle model is unloaded instead", self.name, str(self.release_mode))
             self.release_mode = mode
-        if "device_memory_bytes" in said:
-            self.device_memory_bytes = said["device_memory_bytes"]
+        self.device_memory_bytes = msg.device_memory_bytes
         self._enter(S.READY)
         self.host.standbys.refill(self)
 
@@ -309,7 +281,7 @@ class EngineGroup:
             self._enter(S.READY)
             return
         self.device_memory_bytes = msg.device_memory_bytes
-        if msg.mode == "sleep":
+        if msg.mode == IdleMode.SLEEP:
             self._enter(S.ASLEEP, f"asleep (vLLM sleep mode level {self.idle_policy.sleep_level})")
             log.info("model %s: asleep", self.name)
             if self.wake_wanted:
@@ -347,9 +319,8 @@ class EngineGroup:
 
     def _permanent(self) -> str | None:
         """Why this incarnation must not be restarted, or None: the engine said so
-        (EngineFailed), or at least exited with EXIT_PERMANENT."""
-        code = self.engine.popen.returncode if self.engine.popen is not None else None
-        if self.permanent_failure is None and code != P.EXIT_PERMANENT:
+        (EngineFailed), or at least exited with ExitCode.PERMANENT."""
+        if self.permanent_failure is None and self.engine.exit_code != ExitCode.PERMANENT:
             return None
         why = self.permanent_failure or f"{self.engine.component} could not load the model"
         return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"

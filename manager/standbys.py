@@ -21,6 +21,7 @@ import msgspec
 from manager.children import Child, ChildState, RestartPolicy, Standby
 from servectl import config as C
 from servectl.wire.spawn import Role, log_file_name, standby_component
+from servectl.wire.vocab import ModelState
 
 if TYPE_CHECKING:
     from manager.group import EngineGroup
@@ -60,7 +61,7 @@ class StandbyPool:
         timer = self.timers.pop(group.name, None)
         if timer:
             timer.cancel()  # called early (the group became ready): this call does its work
-        if not self.host.settings.warm_standby or group.state != "ready" or self.host.shutting_down:
+        if not self.host.settings.warm_standby or group.state is not ModelState.READY or self.host.shutting_down:
             return
         engine_env, worker_envs = group.member_envs()
         for member in group.children:

@@ -25,6 +25,7 @@ from servectl.client import ControlClient, NotRunning, PermissionDenied, StartFa
 from servectl.messages import last_error, one_line, without_tracebacks
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
 from servectl.status_view import fmt_age, models_table, proc_usage
+from servectl.wire.vocab import ChildState, EventKind, ExitCode, ModelState
 
 # Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
 # Text from users and processes (model and component names, reasons, log lines,
@@ -37,8 +38,8 @@ def make_console(**kwargs) -> Console:
 
 console = make_console(width=None if sys.stdout.isatty() else 160)
 err = make_console(stderr=True, width=None if sys.stderr.isatty() else 160)
-NOT_RUNNING = 3
-CONFIG_ERROR = 2
+NOT_RUNNING = ExitCode.NOT_RUNNING
+CONFIG_ERROR = ExitCode.USAGE
 
 
 def say(out: Console, *parts: str | tuple[str, str]) -> None:
@@ -62,7 +63,7 @@ def not_running(exc: NotRunning) -> None:
     sys.exit(NOT_RUNNING)
 
 
-NO_PERMISSION = 4  # as systemctl (LSB): the user may not do that
+NO_PERMISSION = ExitCode.NO_PERMISSION
 
 
 class Main(click.Group):
@@ -184,7 +185,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
 
     def show(ev: P.Event) -> None:
         announce()
-        if ev.kind != "model":
+        if ev.kind != EventKind.MODEL:
             say(console, *start_event_parts(ev))
 
     try:
@@ -207,7 +208,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
         os.close(report_r)
     announce()
     failed = [m for m in reply.models if m.state not in P.AVAILABLE]
-    broken_gateways = [c for c in reply.children if c.kind == "gateway" and c.state != "ready"]
+    broken_gateways = [c for c in reply.children if c.kind == EventKind.GATEWAY and c.state != ChildState.READY]
     for c in broken_gateways:
         say(err, (f"{c.component} {c.state}", "red"), f": {c.last_exit or ''}")
         for line in without_tracebacks(c.last_log)[-10:]:
@@ -223,7 +224,8 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
 
 def start_event_parts(ev: P.Event) -> tuple:
     """A child's state change as `start` shows it (parts for say())."""
-    color = {"ready": "green", "failed": "red", "exited": "yellow", "backoff": "yellow"}.get(ev.state, "cyan")
+    color = {ChildState.READY: "green", ChildState.FAILED: "red", ChildState.EXITED: "yellow",
+             ChildState.BACKOFF: "yellow"}.get(ev.state, "cyan")
     return (f"  {ev.component:<28} pid {ev.pid or '-':<8} ", (ev.state, color), f" ({ev.detail})" if ev.detail else "")
 
 
@@ -265,7 +267,7 @@ def show_model_failure(out: Console, model: P.ModelStatus, children: list[P.Chil
     (tracebacks reduced to their exception line; the frames stay in the log files).
     A load failure a restart cannot fix is its one-line reason alone."""
     say(out, (f"model {model.name} {model.state}", "red"), f": {model.reason or ''}")
-    if any(c.model == model.name and c.kind == "engine_core" and c.last_exit == f"exit code {P.EXIT_PERMANENT}"
+    if any(c.model == model.name and c.kind == EventKind.ENGINE and c.exit_code == ExitCode.PERMANENT
            for c in children):
         return
     for c in children:
@@ -297,14 +299,14 @@ def status(runtime_dir, as_json):
         table.add_column(col)
     for c in st.children:
         rss, cpu = proc_usage(c.pid)
-        color = {"ready": "green", "idle (frozen)": "blue", "failed": "red"}.get(c.state, "yellow")
+        color = {ChildState.READY: "green", ChildState.FROZEN: "blue", ChildState.FAILED: "red"}.get(c.state, "yellow")
         # Text cells: a str cell would be read as markup and emoji codes.
         table.add_row(*map(Text, (c.component, c.model or "-", str(c.pid or "-"))), Text(c.state, style=color),
                       *map(Text, (fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")))
     console.print(table)
     console.print(models_table(st.models))
     for m in st.models:
-        if m.state == "failed":
+        if m.state == ModelState.FAILED:
             show_model_failure(console, m, st.children)
     sys.exit(0 if ok else 1)
 

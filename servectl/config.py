@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from servectl.wire.vocab import IdleMode
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "default"
 DEFAULT_MODEL_NAME = "default"
 # Lookup (``config_candidates``): --config, else $SERVECTL_CONFIG, else the
@@ -49,7 +51,7 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 # How an idle model gives its memory back (see ManagerConfig.idle_release).
-IdleRelease = Literal["unload", "sleep"]
+IdleRelease = IdleMode
 SleepLevel = Literal[1, 2]
 
 
@@ -109,7 +111,7 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # engine group ("unload": its warm standbys stay) or with vLLM's sleep mode
     # ("sleep", where the platform has it; elsewhere it falls back to unload).
     idle_release_s: NonNegativeFloat = 0.0
-    idle_release: IdleRelease = "unload"
+    idle_release: IdleRelease = IdleMode.UNLOAD
     sleep_level: SleepLevel = 1  # vLLM's: 1 offloads weights to host memory, 2 discards them
 
 
@@ -151,7 +153,7 @@ class IdlePolicy(msgspec.Struct, frozen=True, kw_only=True):
     """A model's effective idle-release settings: its own, else [manager]'s."""
 
     after_s: float  # 0: never released
-    mode: str  # "unload" | "sleep" (as configured; the engine may fall back to unload)
+    mode: IdleMode  # as configured (the engine may fall back to unload)
     sleep_level: int
 
     @classmethod

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from servectl.proc import stat_fields
 from servectl.wire import control as P
+from servectl.wire.vocab import ModelState
 
 
 def fmt_age(since: float | None) -> str:
@@ -48,7 +49,7 @@ def idle_columns(m: P.ModelStatus, now: float) -> tuple[str, str]:
     if m.released_since is not None:
         return f"released {fmt_seconds(now - m.released_since)} ago", "-"
     if m.idle_since is None:
-        return ("busy" if m.state == "ready" else "-"), "-"
+        return ("busy" if m.state == ModelState.READY else "-"), "-"
     idle = now - m.idle_since
     if m.release_after_s <= 0:
         return fmt_seconds(idle), "never"
@@ -63,7 +64,8 @@ def models_table(models: list[P.ModelStatus]) -> Table:
         table.add_column(col)
     for m in models:
         idle, release_in = idle_columns(m, now)
-        color = {"ready": "green", "released": "blue", "asleep": "blue", "failed": "red"}.get(m.state, "yellow")
+        color = {ModelState.READY: "green", ModelState.RELEASED: "blue", ModelState.ASLEEP: "blue",
+                 ModelState.FAILED: "red"}.get(m.state, "yellow")
         mode = f"{m.release_mode} after {m.release_after_s:g}s" if m.release_after_s > 0 else "never"
         table.add_row(m.name, f"[{color}]{m.state}[/{color}]", idle, release_in, mode, fmt_bytes(m.memory_bytes),
                       fmt_bytes(m.device_memory_bytes))

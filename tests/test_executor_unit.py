@@ -3,7 +3,8 @@
 ``WorkerGroup`` (engine_core/workers/group.py) against a worker double
 (tests/worker_double.py: a thread on a Unix socket speaking the signed-pickle protocol):
 FIFO settling, a late reply, a dead worker, the deadline of the oldest call,
-the overlap counter, no freezing with a call in flight. Then the real worker
+the overlap counter, no freezing with a call in flight. Waits are read on the
+group's own clock (a ``SimClock``, tests/hop_fixtures.py), never the wall clock's. Then the real worker
 loop (``engine_core.workers.worker.serve``) with a stand-in model runner whose
 ``sample_tokens`` returns an async output, driven by ``StepCalls`` the way
 vLLM's ``EngineCore.step_with_batch_queue`` drives the executor: the worker
@@ -25,53 +26,11 @@ import pytest
 import zmq
 
 from engine_core.workers.group import WorkerGroup, WorkerHung
-from engine_core.workers.signing import Signer
 from engine_core.workers.step_calls import StepCalls
+from hop_fixtures import SimClock, ctx, doubles, make_group, start_worker  # noqa: F401  (fixtures)
 from servectl.wire.worker import EXECUTE_AND_SAMPLE
-from worker_double import WorkerDouble, elapsed
 
 pytestmark = pytest.mark.unit
-
-KEY = b"k" * 32
-
-
-_GROUPS: list[WorkerGroup] = []
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()  # the real worker loop's (its output thread's PAIR)
-    yield c
-    # Each socket is closed by the thread that uses it: the groups' here, the doubles' and
-    # the worker loop's on their own threads (the doubles on close(), the loop on ETERM).
-    while _GROUPS:
-        _GROUPS.pop().close()
-    t = threading.Thread(target=c.term, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "a socket was left open"
-
-
-def make_group(ctx, tmp_path, ranks: int = 1, timeout: float = 5.0, pidfds=None) -> WorkerGroup:
-    g = WorkerGroup(worker_paths=[str(tmp_path / f"w{r}") for r in range(ranks)], pidfds=pidfds or [],
-                    signer=Signer(KEY), reply_timeout_s=timeout, distributed_init_method="unused")
-    g.connect()
-    _GROUPS.append(g)
-    return g
-
-
-@pytest.fixture
-def doubles(ctx, tmp_path):
-    made = []
-
-    def make(mode: str = "auto", rank: int = 0, **kw) -> WorkerDouble:
-        d = WorkerDouble(tmp_path / f"w{rank}", Signer(KEY), mode=mode, **kw)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.close()
 
 
 def test_modules_import_no_vllm_or_torch():
@@ -115,16 +74,16 @@ def test_waiting_on_the_younger_call_settles_the_older_one_first(ctx, tmp_path, 
 
 def test_a_late_reply_to_an_older_call_is_kept(ctx, tmp_path, doubles):
     d = doubles("manual")
-    g = make_group(ctx, tmp_path)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
     a = g.send("sample_tokens", (None,), None, pick=0)
     b = g.send("execute_model", ("n+1",), None, pick=0)
     (ida, _, _), (idb, _, _) = d.wait_calls(2)
-    d.reply_later(0.2, ida, "late A")
-    d.reply_later(0.3, idb, "B")
-    t0 = time.monotonic()
+    clock.after(0.2, d.reply_now, ida, "late A")
+    clock.after(0.3, d.reply_now, idb, "B")
     assert b.result() == "B"
+    assert clock.now == pytest.approx(0.3)  # it waited for both
     assert a.result() == "late A"
-    assert 0.25 < elapsed(t0) < 4
 
 
 def test_a_reply_to_a_call_not_in_flight_is_dropped(ctx, tmp_path, doubles):
@@ -140,13 +99,13 @@ def test_a_reply_to_a_call_not_in_flight_is_dropped(ctx, tmp_path, doubles):
 
 def test_a_dead_worker_is_hung_at_the_deadline(ctx, tmp_path, doubles):
     doubles("dead")
-    g = make_group(ctx, tmp_path, timeout=0.5)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, timeout=0.5, clock=clock)
     a = g.send("execute_model", (), None)
     b = g.send("sample_tokens", (), None)
-    t0 = time.monotonic()
     with pytest.raises(WorkerHung, match=r"rank\(s\) \[0\] gave no reply to execute_model within 0.5s"):
         b.result()
-    assert 0.45 < elapsed(t0) < 3
+    assert clock.now == pytest.approx(0.5, abs=clock.turn_s)  # the whole deadline, no longer
     # Every call in flight fails with it; nothing is left outstanding to wait on.
     with pytest.raises(WorkerHung):
         a.result()
@@ -155,26 +114,28 @@ def test_a_dead_worker_is_hung_at_the_deadline(ctx, tmp_path, doubles):
 
 def test_the_deadline_is_the_oldest_calls(ctx, tmp_path, doubles):
     doubles("dead")
-    g = make_group(ctx, tmp_path)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
     g.send("execute_model", (), None, timeout=0.4)
     young = g.send("sample_tokens", (), None, timeout=60)
-    t0 = time.monotonic()
     with pytest.raises(WorkerHung, match="execute_model within 0.4s"):
         young.result()  # waiting on the young call still hangs at the old call's deadline
-    assert elapsed(t0) < 5
+    assert clock.now == pytest.approx(0.4, abs=clock.turn_s)
 
 
 def test_a_calls_clock_starts_when_it_becomes_the_oldest(ctx, tmp_path, doubles):
     """The worker starts call B only after A: B's deadline runs from A's reply, not from B's send."""
     d = doubles("manual")
-    g = make_group(ctx, tmp_path)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
     a = g.send("execute_model", (), None, timeout=30, pick=0)
     b = g.send("execute_model", (), None, timeout=1.0, pick=0)
     (ida, _, _), (idb, _, _) = d.wait_calls(2)
-    d.reply_later(0.7, ida, "A")
-    d.reply_later(1.4, idb, "B")  # 1.4 s after B was sent, 0.7 s after A settled
+    clock.after(0.7, d.reply_now, ida, "A")
+    clock.after(1.4, d.reply_now, idb, "B")  # 1.4 s after B was sent, 0.7 s after A settled
     assert a.result() == "A"
     assert b.result() == "B"
+    assert clock.now == pytest.approx(1.4)
 
 
 def test_a_failed_call_raises_and_the_next_call_still_settles(ctx, tmp_path, doubles):
@@ -282,23 +243,10 @@ class FakeRunner:
             assert self.executed.wait_for(lambda: ("execute", step) in self.log, timeout), self.log
 
 
-def run_method(wrapper, method, args, kwargs):
-    return getattr(wrapper, method)(*args, **kwargs)
-
-
 @pytest.fixture
 def real_worker(ctx, tmp_path):
-    import logging
-
-    from engine_core.workers.worker import serve
-    from engine_core.workers.link import listen_private
-
     runner = FakeRunner()
-    listener = listen_private(tmp_path / "w0")
-    t = threading.Thread(target=serve, args=(listener, ctx, Signer(KEY), 0, logging.getLogger("test-worker")),
-                         kwargs=dict(wrapper=runner, run_method=run_method, async_type=FakeAsyncOutput),
-                         daemon=True, name="worker-main")
-    t.start()
+    start_worker(ctx, tmp_path / "w0", runner, async_type=FakeAsyncOutput)
     yield runner
     # ContextTerminated ends serve(); release anything still pending so its output thread can finish.
     for ev in runner.releases.values():
@@ -406,19 +354,16 @@ def test_step_deadline_is_generous_until_warm_and_for_what_it_has_not_seen():
 def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_it(ctx, tmp_path, doubles):
     d = doubles("auto")
     published = []
-    g = WorkerGroup(worker_paths=[str(tmp_path / "w0")], pidfds=[], signer=Signer(KEY), reply_timeout_s=60,
-                    distributed_init_method="unused", on_deadline=published.append, step_floor_s=0.3)
-    g.connect()
-    _GROUPS.append(g)
+    g = make_group(ctx, tmp_path, timeout=60, on_deadline=published.append, step_floor_s=0.3)
     steps = StepCalls(g, 0)
-    for _ in range(16):  # warm-up: served at the generous deadline
+    for _ in range(16):  # warm-up: served at the generous deadline (on the real clock: the double answers)
         steps.execute_model(SimpleNamespace(total_num_scheduled_tokens=4, has_structured_output_requests=False))
     assert g.deadlines.warm and published == []
     d.mode = "manual"  # the worker stops answering
-    t0 = time.monotonic()
+    clock = SimClock().install(g)
     with pytest.raises(WorkerHung, match="within 0.3s"):
         steps.execute_model(SimpleNamespace(total_num_scheduled_tokens=4, has_structured_output_requests=False))
-    assert elapsed(t0) < 5  # not the generous 60 s
+    assert clock.now == pytest.approx(0.3, abs=clock.turn_s)  # not the generous 60 s
     assert published == [0.3]
 
 
@@ -434,39 +379,28 @@ def test_spin_settings_are_microseconds_in_bounds_with_short_defaults():
         assert spin_seconds(ENGINE_SPIN_ENV, {ENGINE_SPIN_ENV: bad}) == 0.0, bad
 
 
-def record_polls(g: WorkerGroup) -> list[int | None]:
-    """The timeouts of the group's polls from now on (0: a spin's non-blocking poll)."""
-    polls: list[int | None] = []
-    real_poll = g.poller.poll
-
-    def counting_poll(timeout=None):
-        polls.append(timeout)
-        return real_poll(timeout)
-
-    g.poller.poll = counting_poll
-    return polls
-
-
 def test_a_spinning_engine_takes_a_reply_that_comes_during_its_spin_and_blocks_after_it(ctx, tmp_path, doubles):
     d = doubles("manual")
-    g = make_group(ctx, tmp_path)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
+    polls = clock.polls
     g.spin_s = 0.5
-    polls = record_polls(g)
     a = g.send("execute_model", (1,), None)
     (ida, _, _), = d.wait_calls(1)
-    d.reply_later(0.05, ida, "A")  # comes while the engine spins
+    clock.after(0.05, d.reply_now, ida, "A")  # comes while the engine spins
     assert a.result() == ["A"]
-    # Caught by non-blocking polls: no blocking wait was needed.
-    assert len(polls) > 1 and all(t == 0 for t in polls)
+    # Caught by non-blocking polls (a turn each, 50 ms of them): no blocking wait was needed.
+    assert all(t == 0 for t in polls) and abs(len(polls) - 50) <= 1
     # A reply later than the spin: the spin ends within its bound and the wait blocks (with the deadline).
     polls.clear()
     g.spin_s = 0.05
     b = g.send("execute_model", (2,), None)
     idb = d.wait_calls(2)[1][0]
-    d.reply_later(0.3, idb, "B")
+    clock.after(0.3, d.reply_now, idb, "B")
     assert b.result() == ["B"]
-    blocking = [t for t in polls if t != 0]
-    assert len(blocking) >= 1 and blocking[0] > 1000  # the deadline's milliseconds, not a spin
+    spin, blocking = [t for t in polls if t == 0], [t for t in polls if t != 0]
+    assert abs(len(spin) - 50) <= 1 and polls[:len(spin)] == spin  # the spin first: 50 ms of turns
+    assert len(blocking) == 1 and abs(blocking[0] - 4950) <= 1  # then one wait for the deadline, not a spin
     assert not g.outstanding
 
 
@@ -535,7 +469,8 @@ def test_a_message_on_the_waker_ends_the_wait_early_and_the_engine_works_again(c
     """During a step the engine's gateway socket wakes its wait for the workers: a request that
     arrives while the model runs is taken in then (while_waiting), not after the step."""
     d = doubles("manual")
-    g = make_group(ctx, tmp_path)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
     g.spin_s = 0  # block at once: only the waker or the reply can end the wait
     front, gateway = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     front.bind("inproc://waker-test")
@@ -550,25 +485,24 @@ def test_a_message_on_the_waker_ends_the_wait_early_and_the_engine_works_again(c
     g.wake_on(front)
     call = g.send("execute_model", (1,), None, tokens=1)
     (cid, _, _), = d.wait_calls(1)
-    threading.Timer(0.05, gateway.send, (b"request",)).start()
-    d.reply_later(0.3, cid, "A")
-    start = time.monotonic()
+    clock.after(0.05, gateway.send, b"request")
+    clock.after(0.3, d.reply_now, cid, "A")
     g.wait_once()  # woken by the waker, the reply not in yet: returns having read nothing
-    assert time.monotonic() - start < 0.25 and not call.done() and g.waker is front
+    assert clock.now == pytest.approx(0.05) and not call.done() and g.waker is front
     assert not g.reply_waiting()
-    until = time.monotonic() + 5
-    while not g.reply_waiting() and time.monotonic() < until:
-        time.sleep(0.01)
+    clock.advance(0.3 - clock.now)
     assert g.reply_waiting() and not call.done()  # in, not read yet
     assert call.result() == ["A"] and taken == [b"request"]  # while_waiting ran again and took it
     # Unset, the waker's messages wait: a call outside a step is not woken by them.
     g.wake_on(None)
     call = g.send("load_model", (), None)
     cid, _, _ = d.wait_calls(2)[1]
-    threading.Timer(0.05, gateway.send, (b"later",)).start()
-    d.reply_later(0.2, cid, "B")
+    sent_at = clock.now
+    clock.after(0.05, gateway.send, b"later")
+    clock.after(0.2, d.reply_now, cid, "B")
     g.wait_once()  # one wait, ended by the reply alone
     assert call.done() and call.result() == ["B"] and taken == [b"request"]
+    assert clock.now == pytest.approx(sent_at + 0.2)
     assert front.poll(0)  # "later" is still there for the engine's own loop
     front.close(0)
     gateway.close(0)
@@ -596,24 +530,26 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
     """A step whose size usually takes 0.3 s: the engine sleeps in the kernel until shortly before
     that, then spins (a spin from the start would burn the whole step on a core)."""
     d = doubles("manual")
-    g = make_group(ctx, tmp_path)
-    g.spin_s = 0.3  # from 0.15 s to 0.45 s: room for a reply due at 0.28 s on a loaded machine
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
+    polls = clock.polls
+    g.spin_s = 0.3  # from 0.15 s to 0.45 s
     for _ in range(20):
         g.deadlines.observe(0.3, tokens=64)
     assert g.deadlines.earliest(64) == pytest.approx(0.3) and g.deadlines.earliest(1) is None
-    polls = record_polls(g)
     call = g.send("execute_model", (1,), None, tokens=64)
     (cid, _, _), = d.wait_calls(1)
-    d.reply_later(0.28, cid, "A")
+    clock.after(0.28, d.reply_now, cid, "A")
     assert call.result() == ["A"]
-    # One sleep until 0.15 s (the usual end less half the spin), then non-blocking polls only.
-    assert 100 <= polls[0] <= 150 and len(polls) > 2 and all(t == 0 for t in polls[1:])
+    # One sleep until 0.15 s (the usual end less half the spin), then non-blocking polls only,
+    # one a turn, until the reply at 0.28 s.
+    assert polls[0] in (149, 150) and all(t == 0 for t in polls[1:]) and abs(len(polls[1:]) - 130) <= 1
     # A size not seen yet is spun for from its start, as any other call.
     polls.clear()
     call = g.send("execute_model", (2,), None, tokens=1)
     cid = d.wait_calls(2)[1][0]
-    d.reply_later(0.02, cid, "B")
-    assert call.result() == ["B"] and all(t == 0 for t in polls)
+    clock.after(0.02, d.reply_now, cid, "B")
+    assert call.result() == ["B"] and all(t == 0 for t in polls) and abs(len(polls) - 20) <= 1
 
 
 # ---- PendingCall: the Future surface vLLM's engine core uses, without a Future's locks -----

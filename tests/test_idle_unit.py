@@ -148,7 +148,8 @@ def test_sleep_wakes_the_same_engine(tmp_path):
     assert group.state is S.STARTING and host.sent[-1] == P.Wake()
     group.wake()  # idempotent: one Wake
     assert host.sent.count(P.Wake()) == 1
-    group.on_ready("inc", '{"max_model_len": 512, "idle_release": "sleep", "device_memory_bytes": 4096}')
+    group.on_ready(P.ChildReady(component="engine_core:m", pid=1, incarnation="inc", max_model_len=512,
+                                idle_release=P.IdleMode.SLEEP, device_memory_bytes=4096))
     assert group.state is S.READY and group.device_memory_bytes == 4096
     assert host.published == ["releasing", "asleep", "starting", "ready"]
 
@@ -180,7 +181,8 @@ def test_a_crash_loop_while_asleep_still_fails(tmp_path):
 def test_the_engines_fallback_to_unload_is_the_mode_in_force(tmp_path):
     group, host = released_group(tmp_path, mode="sleep")
     group.state = S.STARTING
-    group.on_ready("inc", '{"max_model_len": 512, "idle_release": "unload"}')
+    group.on_ready(P.ChildReady(component="engine_core:m", pid=1, incarnation="inc", max_model_len=512,
+                                idle_release=P.IdleMode.UNLOAD))
     assert group.release_mode == "unload"
     group.on_idle("inc", 3.0)
     assert host.sent == [P.Release(mode="unload", level=1)]

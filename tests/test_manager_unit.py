@@ -12,6 +12,7 @@ from manager.children import Child, ChildState
 from manager.group import TRANSITIONS, BadTransition, EngineGroup, GroupState
 from manager.reload import plan_reload
 from servectl import config as C
+from servectl.wire import control as P
 
 pytestmark = pytest.mark.unit
 S = GroupState
@@ -122,9 +123,9 @@ def test_swap_only_from_expected_states(tmp_path):
 def test_ready_only_for_the_current_incarnation(tmp_path):
     group, host = group_in(tmp_path, S.STARTING)
     group.incarnation = "new"
-    group.on_ready("old")
+    group.on_ready(P.ChildReady(component="engine_core:m", pid=1, incarnation="old"))
     assert group.state is S.STARTING
-    group.on_ready("new")
+    group.on_ready(P.ChildReady(component="engine_core:m", pid=1, incarnation="new"))
     assert group.state is S.READY
     assert host.standbys.refilled == ["m"]
     assert [s for c, s in host.child_events] == ["ready", "ready"]

@@ -58,10 +58,10 @@ def no_emoji(text: str) -> bool:
 
 
 def child(component: str, model: str | None, state: str = "failed", last_log: list[str] | None = None,
-          last_exit: str = "exit code 1"):
+          last_exit: str = "exit code 1", exit_code: int | None = 1):
     return P.ChildStatus(component=component, kind=component.split(":")[0], model=model, pid=41, ppid=40,
                          state=state, since=1.0, started_at=None, restarts=0, last_exit=last_exit,
-                         last_log=last_log or [])
+                         last_log=last_log or [], exit_code=exit_code)
 
 
 # ---- the CLI prints names, reasons and log lines literally ----------------------------------
@@ -97,8 +97,9 @@ def test_a_load_failure_a_restart_cannot_fix_is_its_reason_alone():
     model = P.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a",
                           reason="RuntimeError: Cannot find any model weights with `/m`; not restarted")
     out = rendered(cli.show_model_failure, model, [
-        child("engine_core:fire", "fire", last_log=TRACEBACK, last_exit=f"exit code {P.EXIT_PERMANENT}"),
-        child("worker:fire:0", "fire", last_log=TRACEBACK, last_exit="signal SIGKILL")])
+        child("engine_core:fire", "fire", last_log=TRACEBACK, last_exit="exit code 78",
+              exit_code=P.ExitCode.PERMANENT),
+        child("worker:fire:0", "fire", last_log=TRACEBACK, last_exit="signal SIGKILL", exit_code=None)])
     assert out == f"model fire failed: {model.reason}\n"
 
 
@@ -285,7 +286,7 @@ def test_a_permanent_load_failure_fails_the_group_at_once(tmp_path):
     group.on_engine_failed("old", "stale")  # another incarnation's report changes nothing
     assert group.permanent_failure is None
     group.on_engine_failed("inc", "RuntimeError: Cannot find any model weights with `/m`")
-    group.engine.popen = types.SimpleNamespace(returncode=P.EXIT_PERMANENT)
+    group.engine.exit_code = P.ExitCode.PERMANENT
     Alive.die(group.engine, "exit code 78")
     group.on_member_exit(group.engine)
     assert group.state is GroupState.EXITED  # the worker is still alive
@@ -300,7 +301,7 @@ def test_a_permanent_load_failure_fails_the_group_at_once(tmp_path):
 
 def test_exit_78_without_a_report_is_permanent_too(tmp_path):
     group, host = group_in(tmp_path, GroupState.STARTING)
-    group.engine.popen = types.SimpleNamespace(returncode=P.EXIT_PERMANENT)
+    group.engine.exit_code = P.ExitCode.PERMANENT
     for c in group.children:
         Alive.die(c)
         group.on_member_exit(c)

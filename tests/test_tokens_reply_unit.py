@@ -11,27 +11,21 @@ and counted, and a group without a codec takes none.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.workers.group import WorkerGroup
-from engine_core.workers.link import HEADER, UNSIGNED, UNSIGNED_FLAG, FrameReader, listen_private
+from engine_core.workers.link import HEADER, UNSIGNED, UNSIGNED_FLAG, FrameReader
 from engine_core.workers.signing import BadSignature, Signer
 from engine_core.workers.tokens_reply import BadTokensReply, TokensReplyCodec
+from hop_fixtures import KEY, ctx, doubles, make_group, start_worker  # noqa: F401  (fixtures)
 from servectl.wire.worker import EXECUTE_AND_SAMPLE
-from worker_double import WorkerDouble
 
 pytestmark = pytest.mark.unit
-
-KEY = b"k" * 32
 
 
 @dataclasses.dataclass
@@ -184,28 +178,6 @@ def test_an_unsigned_length_past_the_limit_is_still_a_frame_error():
 
 # ---- through the worker loop and the engine's group --------------------------------------------
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    groups: list[WorkerGroup] = []
-    yield c, groups
-    for g in groups:
-        g.close()
-    t = threading.Thread(target=c.term, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "a socket was left open"
-
-
-def make_group(ctx, tmp_path, codec: TokensReplyCodec | None = CODEC, timeout: float = 5.0) -> WorkerGroup:
-    g = WorkerGroup(worker_paths=[str(tmp_path / "w0")], pidfds=[], signer=Signer(KEY), reply_timeout_s=timeout,
-                    distributed_init_method="unused", spin_s=0.0)
-    g.tokens_codec = codec
-    g.connect()
-    ctx[1].append(g)
-    return g
-
-
 class Runner:
     """A model runner whose step returns what the test put in ``outputs``."""
 
@@ -222,19 +194,13 @@ class NoAsync:  # no async outputs from this runner
 
 @pytest.fixture
 def worker(ctx, tmp_path):
-    from engine_core.workers.worker import serve
-
     runner = Runner()
-    listener = listen_private(tmp_path / "w0")
-    threading.Thread(target=serve, args=(listener, ctx[0], Signer(KEY), 0, logging.getLogger("test-worker")),
-                     kwargs=dict(wrapper=runner, run_method=lambda w, m, a, k: getattr(w, m)(*a, **k),
-                                 async_type=NoAsync, tokens_codec=CODEC),
-                     daemon=True, name="worker-main").start()
+    start_worker(ctx, tmp_path / "w0", runner, async_type=NoAsync, tokens_codec=CODEC)
     return runner
 
 
 def test_the_worker_sends_tokens_unsigned_and_the_rest_signed(ctx, tmp_path, worker):
-    g = make_group(ctx, tmp_path)
+    g = make_group(ctx, tmp_path, codec=CODEC, spin_s=0.0)
     first, second = plain(["r1", "r2"], [[5], [6]]), plain(["r1"], [[7]])
     with_logprobs = plain(["r1"], [[8]])
     with_logprobs.logprobs = ([8], [-0.1])
@@ -246,29 +212,24 @@ def test_the_worker_sends_tokens_unsigned_and_the_rest_signed(ctx, tmp_path, wor
     assert "2 repl(ies) as sampled tokens, 1 as signed pickles" in g.counters()
 
 
-def test_a_garbled_unsigned_reply_is_dropped_and_counted_and_the_right_one_still_settles(ctx, tmp_path):
-    d = WorkerDouble(tmp_path / "w0", Signer(KEY), mode="manual")
-    try:
-        g = make_group(ctx, tmp_path)
-        fut = g.send("execute_model", (1,), None)
-        call_id = d.wait_calls(1)[0][0]
-        d.reply(call_id, raw=[UNSIGNED, b"not msgpack"])
-        d.reply(call_id, raw=[UNSIGNED, CODEC.encode(call_id, plain(["a"], [[1]]))])
-        assert fut.result() == [plain(["a"], [[1]])]
-        assert g.signer.rejected == 1 and g.token_replies == 1
-    finally:
-        d.close()
+def test_a_garbled_unsigned_reply_is_dropped_and_counted_and_the_right_one_still_settles(ctx, tmp_path,
+                                                                                          doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path, codec=CODEC, spin_s=0.0)
+    fut = g.send("execute_model", (1,), None)
+    call_id = d.wait_calls(1)[0][0]
+    d.reply(call_id, raw=[UNSIGNED, b"not msgpack"])
+    d.reply(call_id, raw=[UNSIGNED, CODEC.encode(call_id, plain(["a"], [[1]]))])
+    assert fut.result() == [plain(["a"], [[1]])]
+    assert g.signer.rejected == 1 and g.token_replies == 1
 
 
-def test_a_group_without_a_codec_rejects_unsigned_replies(ctx, tmp_path):
-    d = WorkerDouble(tmp_path / "w0", Signer(KEY), mode="manual")
-    try:
-        g = make_group(ctx, tmp_path, codec=None)
-        fut = g.send("execute_model", (1,), None)
-        call_id = d.wait_calls(1)[0][0]
-        d.reply(call_id, raw=[UNSIGNED, CODEC.encode(call_id, plain(["a"], [[1]]))])
-        d.reply(call_id, value="signed")
-        assert fut.result() == ["signed"]
-        assert g.signer.rejected == 1 and (g.token_replies, g.signed_replies) == (0, 1)
-    finally:
-        d.close()
+def test_a_group_without_a_codec_rejects_unsigned_replies(ctx, tmp_path, doubles):
+    d = doubles("manual")
+    g = make_group(ctx, tmp_path, codec=None, spin_s=0.0)
+    fut = g.send("execute_model", (1,), None)
+    call_id = d.wait_calls(1)[0][0]
+    d.reply(call_id, raw=[UNSIGNED, CODEC.encode(call_id, plain(["a"], [[1]]))])
+    d.reply(call_id, value="signed")
+    assert fut.result() == ["signed"]
+    assert g.signer.rejected == 1 and (g.token_replies, g.signed_replies) == (0, 1)

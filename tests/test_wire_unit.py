@@ -29,7 +29,8 @@ MODEL = ModelConfig(name="m.1", model="/models/m", tensor_parallel_size=2, devic
                     **{k: v for k, v in dict(idle_release_s=5.0, idle_release="sleep", sleep_level=2, autostart=False,
                                              hold_timeout_s=900.0).items() if k in ModelConfig.__struct_fields__})
 CHILD = CP.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
-                       since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"])
+                       since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"],
+                       exit_signal=9)
 
 def known_fields(cls, **values):
     """A message with those of ``values`` that this version of it has (fields come and go)."""
@@ -39,7 +40,9 @@ def known_fields(cls, **values):
 # Every field differs from its default in some sample, so omit_defaults hides nothing.
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
-    CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", detail="up")],
+    CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", max_model_len=512,
+                                  idle_release="sleep", device_memory_bytes=1 << 30),
+                    CP.ChildReady(component="gateway:0", pid=13)],
     CP.GroupFrozen: [known_fields(CP.GroupFrozen, model="m.1", frozen=True, idle_since=12.5),
                      CP.GroupFrozen(model="m.1", frozen=False)],
     CP.GroupIdle: [CP.GroupIdle(model="m.1", incarnation="abc", idle_s=3.25)],
@@ -62,7 +65,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.UnloadModel: [CP.UnloadModel(name="m.1")],
     # control: manager → clients
     CP.ChildStatus: [CHILD, CP.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
-                                           state="backoff", since=0.0, started_at=None, restarts=0, last_exit=None)],
+                                           state="backoff", since=0.0, started_at=None, restarts=0,
+                                           last_exit="exit code 1", exit_code=1)],
     CP.ModelStatus: [CP.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1"),
                      known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
@@ -86,7 +90,9 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
                known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
-                            time=3.0, hold_timeout_s=300.0)],
+                            time=3.0, hold_timeout_s=300.0),
+               known_fields(CP.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
+                            pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
     EP.Resume: [EP.Resume(index=1, token_ids=[4, 5], text_chars=3)],

@@ -3,22 +3,21 @@
 Framing at every split, garbage and oversized lengths on one connection not
 touching another, a signature still checked before anything is unpickled,
 and the engine side finding a worker that is gone, not listening yet, or not
-reading — each at once or within its deadline, never by waiting forever.
+reading — each at once or within its deadline, never by waiting forever (read on
+the group's own clock, a ``SimClock``: tests/hop_fixtures.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import struct
 import threading
-import time
 
 import pytest
-import zmq
 
-from engine_core.workers.group import WorkerGroup, WorkerHung
+from conftest import wait_for
+from engine_core.workers.group import CONNECT_RETRY_S, WorkerGroup, WorkerHung
 from engine_core.workers.link import (
     HEADER,
     FrameError,
@@ -28,11 +27,10 @@ from engine_core.workers.link import (
     send_frames,
 )
 from engine_core.workers.signing import Signer
+from hop_fixtures import KEY, SimClock, ctx, make_group, start_worker  # noqa: F401  (fixtures)
 from servectl.wire.worker import STATS_METHOD
 
 pytestmark = pytest.mark.unit
-
-KEY = b"k" * 32
 
 
 def encoded(frames: list[bytes]) -> bytes:
@@ -96,114 +94,86 @@ class Echo:
         return value
 
 
-def run_method(wrapper, method, args, kwargs):
-    return getattr(wrapper, method)(*args, **kwargs)
-
-
 @pytest.fixture
-def worker(tmp_path):
-    from engine_core.workers.worker import serve
-
-    ctx = zmq.Context()
+def worker(ctx, tmp_path):
     path = tmp_path / "w0"
-    t = threading.Thread(target=serve, args=(listen_private(path), ctx, Signer(KEY), 0, logging.getLogger("w")),
-                         kwargs=dict(wrapper=Echo(), run_method=run_method), daemon=True)
-    t.start()
-    yield path
-    ctx.term()  # ends the loop
-    t.join(10)
-    assert not t.is_alive()
-
-
-def group(paths, timeout: float = 5.0) -> WorkerGroup:
-    g = WorkerGroup(worker_paths=[str(p) for p in paths], pidfds=[], signer=Signer(KEY), reply_timeout_s=timeout,
-                    distributed_init_method="unused")
-    g.connect()
-    return g
+    start_worker(ctx, path, Echo())
+    return path
 
 
 def stats(g: WorkerGroup) -> dict:
     return g.call(STATS_METHOD, (), None, output_rank=0)[0]
 
 
-def test_garbage_and_forgeries_on_other_connections_leave_the_engines_alone(worker):
-    g = group([worker])
-    try:
-        assert g.call("echo", (1,), None) == [1]
-        garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        garbage.connect(str(worker))
-        garbage.sendall(b"\xff" * 64)  # a length no call can have: that connection is closed
-        forger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        forger.connect(str(worker))
-        send_frames(forger, Signer(os.urandom(32)).dumps((9, "echo", ("forged",), None, None)))
-        mac, payload = Signer(KEY).dumps((10, "echo", ("tampered",), None, None))
-        send_frames(forger, [mac, payload + b"x"])
-        garbage.settimeout(10)
-        assert garbage.recv(1) == b""  # closed by the worker
-        # Positive control on the engine's own connection: answered, and the three counted.
-        assert g.call("echo", (2,), None) == [2]
-        deadline = time.monotonic() + 10
-        while stats(g)["rejected"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert stats(g)["rejected"] == 3
-        forger.settimeout(0.3)
-        with pytest.raises(TimeoutError):
-            forger.recv(1)  # never answered
-        forger.close()
-        garbage.close()
-    finally:
-        g.close()
+def test_garbage_and_forgeries_on_other_connections_leave_the_engines_alone(ctx, tmp_path, worker):
+    g = make_group(ctx, tmp_path, paths=[worker])
+    assert g.call("echo", (1,), None) == [1]
+    garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbage.connect(str(worker))
+    garbage.sendall(b"\xff" * 64)  # a length no call can have: that connection is closed
+    forger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    forger.connect(str(worker))
+    send_frames(forger, Signer(os.urandom(32)).dumps((9, "echo", ("forged",), None, None)))
+    mac, payload = Signer(KEY).dumps((10, "echo", ("tampered",), None, None))
+    send_frames(forger, [mac, payload + b"x"])
+    garbage.settimeout(10)
+    assert garbage.recv(1) == b""  # closed by the worker
+    # Positive control on the engine's own connection: answered, and the three counted.
+    assert g.call("echo", (2,), None) == [2]
+    wait_for(lambda: stats(g)["rejected"] >= 3, 10, interval=0.02, what="the worker to count three rejects")
+    assert stats(g)["rejected"] == 3
+    forger.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        forger.recv(1)  # never answered (the engine's call after the forgeries was)
+    forger.close()
+    garbage.close()
 
 
-def test_the_first_call_waits_for_a_worker_that_is_not_listening_yet(tmp_path):
-    from engine_core.workers.worker import serve
-
+def test_the_first_call_waits_for_a_worker_that_is_not_listening_yet(ctx, tmp_path):
     path = tmp_path / "late"
-    ctx = zmq.Context()
+    bound = threading.Event()
+    start_worker(ctx, path, Echo(), before=lambda: bound.wait(10))
+    g = make_group(ctx, tmp_path, paths=[path])
+    retries: list[float] = []
 
-    def start_later():
-        time.sleep(0.3)
-        serve(listen_private(path), ctx, Signer(KEY), 0, logging.getLogger("w"), wrapper=Echo(),
-              run_method=run_method)
+    def retry(seconds: float) -> None:  # the group's start-up sleep: the worker starts at the third
+        retries.append(seconds)
+        if len(retries) == 3:
+            bound.set()
+            wait_for(path.exists, 10, interval=0.01, what="the worker's socket")
 
-    t = threading.Thread(target=start_later, daemon=True)
-    t.start()
-    g = group([path])
-    try:
-        assert g.call("echo", ("late",), None) == ["late"]
-    finally:
-        g.close()
-        ctx.term()
-        t.join(10)
+    g.sleep = retry
+    assert g.call("echo", ("late",), None) == ["late"]
+    assert len(retries) >= 3 and set(retries) == {CONNECT_RETRY_S}  # it retried until the worker listened
 
 
-def test_no_worker_at_all_is_hung_at_the_calls_deadline(tmp_path):
-    g = group([tmp_path / "nobody"], timeout=0.3)
-    t0 = time.monotonic()
+def test_no_worker_at_all_is_hung_at_the_calls_deadline(ctx, tmp_path):
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, paths=[tmp_path / "nobody"], timeout=0.3, clock=clock)
     with pytest.raises(WorkerHung, match="not listening"):
         g.call("echo", (1,), None)
-    assert time.monotonic() - t0 < 5
+    assert clock.now == pytest.approx(0.3, abs=0.011)  # retried (10 ms apart) until the call's deadline
+    assert abs(len(clock.sleeps) - 30) <= 1
 
 
-def test_a_worker_that_hangs_up_with_a_call_in_flight_fails_it_at_once(tmp_path):
+def test_a_worker_that_hangs_up_with_a_call_in_flight_fails_it_at_once(ctx, tmp_path):
     listener = listen_private(tmp_path / "w")
-    g = group([tmp_path / "w"], timeout=60)
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, paths=[tmp_path / "w"], timeout=60, clock=clock)
     call = g.send("echo", (1,), None)
     conn, _ = listener.accept()
     conn.close()  # the worker dies holding the call
-    t0 = time.monotonic()
     with pytest.raises(WorkerHung, match="closed its connection"):
         call.result()
-    assert time.monotonic() - t0 < 5  # not the 60 s deadline
+    assert clock.now == 0  # at once: not the 60 s deadline, not even a spin's turn
     assert not g.outstanding
     listener.close()
 
 
-def test_a_worker_that_reads_nothing_cannot_block_a_big_send_past_the_deadline(tmp_path):
+def test_a_worker_that_reads_nothing_cannot_block_a_big_send_past_the_deadline(ctx, tmp_path):
     listener = listen_private(tmp_path / "w")  # connections queue in the backlog, nothing is ever read
-    g = group([tmp_path / "w"], timeout=0.3)
-    t0 = time.monotonic()
-    with pytest.raises(WorkerHung, match="took no call"):
+    g = make_group(ctx, tmp_path, paths=[tmp_path / "w"], timeout=0.3)
+    # The send waits in the kernel (the socket's timeout, the call's deadline) and gives up.
+    with pytest.raises(WorkerHung, match="took no call echo within 0.3s"):
         g.send("echo", (b"x" * (8 << 20),), None)
-    assert time.monotonic() - t0 < 5
     listener.close()

@@ -19,7 +19,6 @@ import queue
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,15 @@ class WorkerDouble:
         """Answer a call (or send ``raw`` frames to the last peer) from the double's thread."""
         self._commands.put(("reply", call_id, ok, value, raw))
         self._bell_w.send(b"!")
+
+    def reply_now(self, call_id: int, value: Any = None, ok: bool = True) -> None:
+        """Answer a call from the caller's thread: the reply is in the engine's socket when this
+        returns (for a test on a simulated clock, tests/hop_fixtures.py). Manual mode only (the
+        double's thread then never writes)."""
+        assert self.mode != "auto"
+        with self._cond:
+            peer = self._peers[call_id]
+        self._send(peer, call_id, ok, value)
 
     def reply_later(self, delay_s: float, call_id: int, value: Any = None, ok: bool = True) -> threading.Timer:
         timer = threading.Timer(delay_s, self.reply, args=(call_id, value, ok))
@@ -125,7 +133,3 @@ class WorkerDouble:
             self._listener.close()
             self._bell_r.close()
             sel.close()
-
-
-def elapsed(t0: float) -> float:
-    return time.monotonic() - t0

@@ -97,6 +97,11 @@ class WorkerGroup:
     # SERVECTL_ENGINE_SPIN_US (spin.py); 0 blocks at once.
     spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
+    # The group's time (its deadlines, spins and step times) and its start-up retry's sleep:
+    # the real ones; tests give a simulated clock (tests/hop_fixtures.py) so that no wait of
+    # theirs is measured against the wall clock.
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
     # One Unix stream socket per rank (link.py), connected at the first call.
     sockets: list[socket.socket | None] = field(default_factory=list)
     readers: list[FrameReader] = field(default_factory=list)
@@ -143,11 +148,11 @@ class WorkerGroup:
                 break
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
-                if time.monotonic() >= deadline:
+                if self.clock() >= deadline:
                     raise WorkerHung(f"worker rank {rank} is not listening on {path}: {exc}") from None
                 # Only before the group's first call reaches a worker that is still starting
                 # (it listens before importing vLLM), bounded by that call's deadline.
-                time.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
+                self.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
         self.sockets[rank] = sock
         self.rank_of[sock.fileno()] = rank
         self.poller.register(sock.fileno(), zmq.POLLIN)
@@ -233,7 +238,7 @@ class WorkerGroup:
                 self.overlapped_steps += 1
         call_id = next(self._ids)
         timeout_s = timeout if timeout is not None else self.deadlines.timeout_for(tokens, kinds)
-        send_by = time.monotonic() + timeout_s
+        send_by = self.clock() + timeout_s
         for rank in range(self.ranks):
             sock = self.sockets[rank] or self._connect_rank(rank, send_by)
             rank_args = per_rank_args[rank] if per_rank_args is not None else args
@@ -241,7 +246,7 @@ class WorkerGroup:
             try:
                 # Normally buffered at once; a big message waits for the worker to read it, not
                 # past this call's deadline (a worker that reads nothing that long is hung).
-                send_frames(sock, frames, timeout=max(0.0, send_by - time.monotonic()))
+                send_frames(sock, frames, timeout=max(0.0, send_by - self.clock()))
             except TimeoutError:
                 self._lost(f"worker rank {rank} took no call {name} within {timeout_s:g}s")
             except OSError as exc:
@@ -254,7 +259,7 @@ class WorkerGroup:
 
     def _arm(self, call: PendingCall) -> None:
         """The call is the oldest in flight: its clock starts."""
-        call.armed_at = time.monotonic()
+        call.armed_at = self.clock()
         call.deadline = call.armed_at + call.timeout_s
         if call.tokens is not None and self.deadlines.warm:
             last = self.published_deadline
@@ -276,27 +281,27 @@ class WorkerGroup:
         ready: dict = {}
         spin_from = self._spin_from(head)
         if spin_from is not None:
-            now = time.monotonic()
+            now = self.clock()
             if now < spin_from:
                 # event-proof: a wait in the kernel until the reply is due, while a call is in flight;
                 # the spin below starts then (a long step is not spun through from its start).
                 ready = dict(poller.poll(int((min(spin_from, head.deadline) - now) * 1000)))
-            end = time.monotonic() + self.spin_s
-            while not ready and time.monotonic() < end:
+            end = self.clock() + self.spin_s
+            while not ready and self.clock() < end:
                 # event-proof: a bounded spin only while a call is in flight (its reply is due
                 # now); after spin_s it blocks below, and nothing spins while idle.
                 ready = dict(poller.poll(0))
                 if not ready:
                     os.sched_yield()  # whatever else is runnable gets the core (as vLLM's shm ring reader)
         if not ready:
-            remaining_ms = max(0, int((head.deadline - time.monotonic()) * 1000 + 0.999))
+            remaining_ms = max(0, int((head.deadline - self.clock()) * 1000 + 0.999))
             # event-proof: a wait in the kernel for a worker's reply, bounded by the
             # deadline of the oldest call in flight (armed only while one is).
             ready = dict(poller.poll(remaining_ms))
         if self.waker is not None:
             ready.pop(self.waker, None)
         if not ready:
-            if time.monotonic() >= head.deadline:  # (a waker that never falls silent included)
+            if self.clock() >= head.deadline:  # (a waker that never falls silent included)
                 self._hung(head)
             return  # woken early (the waker, a signal): wait again
         for fd in ready:
@@ -324,10 +329,10 @@ class WorkerGroup:
         if not self.spin_s:
             return None
         if head.tokens is None:
-            return time.monotonic()
+            return self.clock()
         earliest = self.deadlines.earliest(head.tokens)
         if earliest is None:
-            return time.monotonic()
+            return self.clock()
         return head.armed_at + max(0.0, earliest - self.spin_s / 2)
 
     def _hung(self, head: PendingCall) -> None:
@@ -381,7 +386,7 @@ class WorkerGroup:
                 return
             del self.outstanding[head.call_id]
             if head.tokens is not None and not head.errors:
-                self.deadlines.observe(time.monotonic() - head.armed_at, head.tokens, head.kinds)
+                self.deadlines.observe(self.clock() - head.armed_at, head.tokens, head.kinds)
             head._settle()
             settled = True
 

@@ -11,13 +11,10 @@ from typing import Union
 import msgspec
 
 from servectl.config import ModelConfig
+from servectl.wire.vocab import (AVAILABLE, ChildState, EventKind, EventState, ExitCode, IdleMode,  # noqa: F401
+                                 ManagerState, ModelState, ReleaseMode)
 
 PROTOCOL_VERSION = 1
-
-# A model's states in which its requests are served: "ready", and idle-released ones
-# ("released", "asleep"), whose requests are held while the model is woken. `servectl
-# start` and `status` count them as up, and so does the gateway's /health.
-AVAILABLE = frozenset({"ready", "released", "asleep"})
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
@@ -27,12 +24,18 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
 # ---- children → manager -------------------------------------------------
 
 class ChildReady(_Msg, tag="child_ready"):
-    """Sent once by a child when it can do its job (readiness is never a timer)."""
+    """Sent once by a child when it can do its job (readiness is never a timer).
+
+    An engine says what it serves with: its model length, the idle release mode in
+    force (a configured "sleep" falls back to "unload" where vLLM has no sleep mode)
+    and the accelerator memory it holds (None: no accelerator)."""
 
     component: str
     pid: int
     incarnation: str = ""
-    detail: str = ""
+    max_model_len: int | None = None
+    idle_release: IdleMode | None = None
+    device_memory_bytes: int | None = None
 
 
 class GroupFrozen(_Msg, tag="group_frozen"):
@@ -63,7 +66,7 @@ class GroupReleased(_Msg, tag="group_released"):
     model: str
     incarnation: str
     released: bool
-    mode: str = "unload"
+    mode: IdleMode = IdleMode.UNLOAD
     # Accelerator memory in use on the group's devices after the release (None: no accelerator).
     device_memory_bytes: int | None = None
 
@@ -78,16 +81,11 @@ class EngineFailed(_Msg, tag="engine_failed"):
     files, an invalid engine argument, an unsupported architecture, not enough
     memory): the group fails at once with ``reason`` (one line) instead of being
     restarted. The engine waits for the manager's ``Ack``, then exits with
-    ``EXIT_PERMANENT``."""
+    ``ExitCode.PERMANENT``."""
 
     model: str
     incarnation: str
     reason: str
-
-
-# An engine's exit code for a load failure a restart cannot fix (sysexits' EX_CONFIG);
-# the manager fails its group at once even if EngineFailed never arrived.
-EXIT_PERMANENT = 78
 
 
 class StepDeadlineChanged(_Msg, tag="step_deadline"):
@@ -166,28 +164,31 @@ ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, G
 
 class ChildStatus(msgspec.Struct, kw_only=True):
     component: str
-    kind: str
+    kind: EventKind
     model: str | None
     pid: int | None
     ppid: int | None
-    state: str
+    state: ChildState
     since: float
     started_at: float | None
     restarts: int
-    last_exit: str | None
+    last_exit: str | None  # the last exit in words ("exit code 1", "signal SIGKILL")
     last_log: list[str] = []
+    # The last exit as the kernel said it: its status (it exited) or its signal's number (killed).
+    exit_code: int | None = None
+    exit_signal: int | None = None
 
 
 class ModelStatus(msgspec.Struct, kw_only=True):
     name: str
-    state: str
+    state: ModelState
     frozen: bool
     incarnation: str
     reason: str | None = None
     step_deadline_s: float | None = None  # as the engine last published it (None: not warm yet)
     # Idle release: after this long idle (0: never), how ("unload"/"sleep", as in force).
     release_after_s: float = 0.0
-    release_mode: str = ""
+    release_mode: ReleaseMode = ""
     # When the last request finished (known once the engine froze its workers); None while busy.
     idle_since: float | None = None
     # When the model was released (state released or asleep).
@@ -204,7 +205,7 @@ class StatusReply(_Msg, tag="status_reply"):
     instance: str
     manager_pid: int
     started_at: float
-    state: str
+    state: ManagerState
     port: int
     host: str
     state_dir: str
@@ -236,7 +237,7 @@ class StartupFailed(msgspec.Struct, kw_only=True):
     gives (2: a usage or config error). Nothing of the tree was left running."""
 
     message: str
-    exit_code: int = 2
+    exit_code: int = ExitCode.USAGE
 
 
 # ---- manager → engine (over the control socket) ---------------------------
@@ -260,7 +261,7 @@ class Release(_Msg, tag="release"):
     """Give the memory back if still idle (answered with GroupReleased): "unload" (the manager
     then stops the group) or "sleep" (vLLM's sleep mode at ``level``)."""
 
-    mode: str = "unload"
+    mode: IdleMode = IdleMode.UNLOAD
     level: int = 1
 
 
@@ -273,22 +274,20 @@ ToEngine = Union[AbortPeer, FreezingControl, Drain, Release, Wake]
 
 # ---- events (PUB) ----------------------------------------------------------
 
-# Event.kind of an engine's published step deadline (detail: the seconds).
-DEADLINE = "deadline"
-
-
 class Event(msgspec.Struct, kw_only=True):
     component: str
-    kind: str
+    kind: EventKind
     model: str | None
-    state: str
+    state: EventState  # a ChildState's, a ModelState's value, or ARMED (kind DEADLINE)
     pid: int | None
     time: float
     incarnation: str = ""
-    detail: str = ""
+    detail: str = ""  # for people: a reason, a last exit, the deadline in seconds
     restarts: int = 0
     # Model events: the model's own hold timeout for gateways (None: the gateway's).
     hold_timeout_s: float | None = None
+    # DEADLINE events: the engine's published step deadline.
+    step_deadline_s: float | None = None
 
 
 control_in_decoder = msgspec.msgpack.Decoder(ControlIn)

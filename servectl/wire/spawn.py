@@ -25,8 +25,11 @@ from typing import Literal
 import msgspec
 
 from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
+from servectl.wire.vocab import EventKind, IdleMode
 
-ENGINE, WORKER, GATEWAY, STANDBY, MODEL = "engine_core", "worker", "gateway", "standby", "model"
+# A component name's first part is its kind.
+ENGINE, WORKER, GATEWAY, STANDBY, MODEL = (EventKind.ENGINE, EventKind.WORKER, EventKind.GATEWAY, EventKind.STANDBY,
+                                           EventKind.MODEL)
 
 
 class ManagerSpec(msgspec.Struct, kw_only=True):
@@ -51,7 +54,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # Idle release (servectl.config.IdlePolicy): say GroupIdle after this long idle (0: never);
     # "sleep" builds the engine with vLLM's sleep mode where the platform has it.
     idle_release_s: float = 0.0
-    idle_release: str = "unload"
+    idle_release: IdleMode = IdleMode.UNLOAD
     sleep_level: int = 1
 
 
@@ -169,7 +172,7 @@ def log_file_name(component: str) -> str:
 
 @dataclass(frozen=True)
 class ComponentName:
-    kind: str
+    kind: EventKind
     model: str | None = None
     index: int | None = None  # a worker's rank, a gateway's index
     member: str | None = None  # a standby's member component
@@ -188,7 +191,7 @@ def parse_component(name: str) -> ComponentName | None:
         return ComponentName(STANDBY, member.model, member.index, rest) \
             if member is not None and member.kind in (ENGINE, WORKER) else None
     if kind in (ENGINE, MODEL):
-        return ComponentName(kind, rest) if _MODEL_NAME.match(rest) else None
+        return ComponentName(EventKind(kind), rest) if _MODEL_NAME.match(rest) else None
     if kind == WORKER:
         model, _, rank = rest.rpartition(":")
         return ComponentName(WORKER, model, int(rank)) if _MODEL_NAME.match(model) and _INDEX.match(rank) else None
