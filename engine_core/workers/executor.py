@@ -19,6 +19,7 @@ first in, first out, under the deadline of the oldest call in flight.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 
 from engine_core.workers.group import WorkerGroup
@@ -31,7 +32,25 @@ log = logging.getLogger("engine_core.executor")
 
 def executor_for(group: WorkerGroup) -> type["WorkerGroupExecutor"]:
     """The executor class to give vLLM (``distributed_executor_backend``) for ``group``."""
-    return type("WorkerGroupExecutor", (WorkerGroupExecutor,), {"group": group, "__module__": __name__})
+    return _GroupBound("WorkerGroupExecutor", (WorkerGroupExecutor,), {"group": group, "__module__": __name__})
+
+
+class _GroupBound(type(Executor)):
+    """The metaclass of a group-bound executor class. vLLM pickles its config, which names the
+    executor class, into every worker's ``init_worker``; a bound class is not importable by name
+    and its group (sockets) cannot travel, so it pickles as ``WorkerGroupExecutor`` (workers
+    never instantiate it)."""
+
+
+def _unbound() -> type["WorkerGroupExecutor"]:
+    return WorkerGroupExecutor
+
+
+def _pickle_as_unbound(cls: type) -> tuple:
+    return _unbound, ()
+
+
+copyreg.pickle(_GroupBound, _pickle_as_unbound)
 
 
 class WorkerGroupExecutor(Executor):
