@@ -5,6 +5,15 @@
     python -m bench.rounds --only servectl --env-b OMP_NUM_THREADS=2   # an A/B of servectl settings
     python -m bench.rounds --only servectl --engine-arg-b async_scheduling=true
     python -m bench.rounds --pool bench/results/A.json bench/results/B.json   # all their rounds' medians
+    python -m bench.rounds --base-commit ae4a39d --rounds 3   # another commit's servectl against this tree's
+
+With ``--base-commit`` side A is servectl as that commit has it, checked out by
+``git worktree add`` into a temporary directory and run from there (its CLI's
+working directory and ``PYTHONPATH``; the children it spawns import from the
+same checkout), side B this working tree, uncommitted changes included; both
+serve the model of this tree with the same settings. The sides are labelled
+with the commits (``servectl@<base>``, ``servectl@<HEAD>`` or ``…+dirty``), so
+runs of the same pair pool.
 
 One round starts a server, warms it up (a short run, not counted), drives it
 with vLLM's own serving benchmark at each concurrency (streaming), then with
@@ -18,13 +27,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.run import ROOT, Servectl, VllmServe, machine, non_stream_load, vllm_bench, wait_completion
@@ -158,7 +172,74 @@ def pool(paths: list[Path]) -> tuple[dict, str, str]:
     return res, a, b
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Side:
+    """One server of the comparison: `vllm serve`, or servectl from ``code`` (None: this tree)."""
+
+    name: str
+    kind: str  # "vllm" or "servectl"
+    env: dict[str, str] = field(default_factory=dict)
+    engine_args: dict[str, str] = field(default_factory=dict)
+    code: Path | None = None
+    commit: str | None = None  # the commit a checkout serves (side A of --base-commit)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def resolve_commit(rev: str, repo: Path = ROOT) -> str:
+    """The full id of ``rev`` (a commit), or SystemExit naming it."""
+    try:
+        return git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"--base-commit: {rev!r} is not a commit of {repo}") from None
+
+
+def tree_label(repo: Path = ROOT) -> str:
+    """This tree's commit, short, with ``+dirty`` when tracked files differ from it."""
+    head = git(repo, "rev-parse", "--short=10", "HEAD")
+    return head + ("+dirty" if git(repo, "status", "--porcelain", "--untracked-files=no") else "")
+
+
+@contextlib.contextmanager
+def worktree(commit: str, repo: Path = ROOT) -> Iterator[Path]:
+    """A detached checkout of ``commit`` in a temporary directory, removed afterwards."""
+    parent = Path(tempfile.mkdtemp(prefix="servectl-base-"))
+    path = parent / commit[:10]
+    git(repo, "worktree", "add", "--detach", "--quiet", str(path), commit)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(path)], capture_output=True)
+        shutil.rmtree(parent, ignore_errors=True)
+        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+
+
+def plan(p: argparse.Namespace, base_code: Path | None = None, base_commit: str | None = None,
+         tree: str = "tree") -> tuple[Side, Side]:
+    """The two sides of the run, A then B (each round runs A, then B)."""
+    env_a, env_b = parse_env(p.env_a), parse_env(p.env_b)
+    args_a, args_b = parse_env(p.engine_arg_a), parse_env(p.engine_arg_b)
+    if base_commit is not None:
+        return (Side(f"servectl@{base_commit[:10]}", "servectl", env_a, args_a, base_code, base_commit),
+                Side(f"servectl@{tree}", "servectl", env_b, args_b))
+    if p.only:
+        return (Side("servectl A", "servectl", env_a, args_a), Side("servectl B", "servectl", env_b, args_b))
+    return Side("vllm serve", "vllm"), Side("servectl", "servectl", env_b, args_b)
+
+
+def schedule(rounds: int, sides: tuple[Side, Side]) -> list[tuple[int, Side]]:
+    """A B A B …: every round runs both sides, fresh servers each time."""
+    return [(i, side) for i in range(rounds) for side in sides]
+
+
+def label(name: str) -> str:
+    """A side's name as a file name (runtime directory, config)."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.rounds", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -178,41 +259,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="rounds")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="no servers: the medians of all the rounds of these result files together")
-    p = ap.parse_args(argv)
+    ap.add_argument("--base-commit", metavar="REV",
+                    help="servectl A from a git worktree of this commit, servectl B from this tree "
+                         "(--env-a/--engine-arg-a apply to A)")
+    return ap
+
+
+def check(p: argparse.Namespace) -> None:
+    if p.base_commit and p.pool:
+        raise SystemExit("--base-commit runs servers; --pool reads results: one or the other")
+    if p.base_commit and p.only:
+        raise SystemExit("--base-commit already compares two servectls (A: the commit, B: this tree); drop --only")
+    if p.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
+    for item in (*p.env_a, *p.env_b, *p.engine_arg_a, *p.engine_arg_b):
+        if "=" not in item:
+            raise SystemExit(f"expected K=V, got {item!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser().parse_args(argv)
+    check(p)
     if p.pool:
         res, a, b = pool(p.pool)
         print(markdown(res, a, b))
         return 0
     concurrency = [int(c) for c in p.concurrency.split(",")]
+    with contextlib.ExitStack() as stack:
+        base_code = base_commit = None
+        if p.base_commit:
+            base_commit = resolve_commit(p.base_commit)
+            base_code = stack.enter_context(worktree(base_commit))
+            print(f"== side A: {base_commit} checked out in {base_code}", flush=True)
+        sides = plan(p, base_code, base_commit, tree_label() if base_commit else "tree")
+        return run_rounds(p, sides, concurrency)
+
+
+def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: list[int]) -> int:
     work = Path(tempfile.mkdtemp(prefix="servectl-rounds-"))
     standby = not p.no_standby
+    a, b = (side.name for side in sides)
 
-    if p.only:
-        a, b = "servectl A", "servectl B"
-
-        def make(name):
-            env = parse_env(p.env_a if name == a else p.env_b)
-            args = parse_env(p.engine_arg_a if name == a else p.engine_arg_b)
-            return Servectl(work, env=env, label=name.replace(" ", "-"), warm_standby=standby, engine_args=args)
-    else:
-        a, b = "vllm serve", "servectl"
-
-        def make(name):
-            return VllmServe(work) if name == a else Servectl(work, env=parse_env(p.env_b), warm_standby=standby,
-                                                              engine_args=parse_env(p.engine_arg_b))
+    def make(side: Side):
+        if side.kind == "vllm":
+            return VllmServe(work)
+        return Servectl(work, env=side.env, label=label(side.name), warm_standby=standby,
+                        engine_args=side.engine_args, code=side.code)
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rounds": p.rounds,
                  "params": {"concurrency": concurrency, "prompts": p.prompts, "input_len": p.input_len,
                             "output_len": p.output_len, "non_stream_requests": p.non_stream_requests,
                             "env_a": p.env_a, "env_b": p.env_b, "engine_args_a": p.engine_arg_a,
-                            "engine_args_b": p.engine_arg_b, "warm_standby": standby},
+                            "engine_args_b": p.engine_arg_b, "warm_standby": standby,
+                            "base_commit": sides[0].commit, "sides": [a, b]},
                  "raw": {a: [], b: []}}
-    for i in range(p.rounds):
-        for name in (a, b):
-            print(f"== round {i + 1}/{p.rounds}: {name}", flush=True)
-            r = one_round(make(name), concurrency, p, work)
-            res["raw"][name].append(r)
-            print(json.dumps(r), flush=True)
+    for i, side in schedule(p.rounds, sides):
+        print(f"== round {i + 1}/{p.rounds}: {side.name}", flush=True)
+        r = one_round(make(side), concurrency, p, work)
+        res["raw"][side.name].append(r)
+        print(json.dumps(r), flush=True)
     res["summary"] = {name: summarize(res["raw"][name]) for name in (a, b)}
     p.out.mkdir(parents=True, exist_ok=True)
     stem = p.out / f"{time.strftime('%Y-%m-%d')}-{p.tag}"

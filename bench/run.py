@@ -208,17 +208,28 @@ class Servectl(Server):
     name = "servectl"
 
     def __init__(self, workdir: Path, env: dict | None = None, label: str = "servectl", warm_standby: bool = True,
-                 engine_args: dict | None = None):
+                 engine_args: dict | None = None, code: Path | None = None):
         super().__init__(workdir)
         self.runtime = workdir / f"rt-{label}"
         self.extra_env = env or {}
         self.extra_engine_args = engine_args or {}  # TOML values as written (true, 8, "x")
         self.name = label
         self.warm_standby = warm_standby
+        # Whose servectl serves: this tree, or a checkout of another commit (bench.rounds
+        # --base-commit). Its CLI runs from there and its children import from there
+        # (servectl.proc.with_package_path puts the importing tree first on their PYTHONPATH).
+        self.code = code or ROOT
+
+    def cli_env(self) -> dict | None:
+        if self.code == ROOT:
+            return None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(self.code) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
 
     def cli(self, *args) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "servectl.cli", *args, "--runtime-dir", str(self.runtime)],
-                              capture_output=True, text=True, cwd=ROOT)
+                              capture_output=True, text=True, cwd=self.code, env=self.cli_env())
 
     def start(self) -> None:
         config = self.workdir / f"{self.name}.toml"
@@ -232,8 +243,8 @@ class Servectl(Server):
         self.launched = time.monotonic()
         # `servectl start` returns when ready; the clock runs from launch to first completion either way.
         self.proc = subprocess.Popen([sys.executable, "-m", "servectl.cli", "start", "--config", str(config),
-                                      "--port", str(self.port), "--runtime-dir", str(self.runtime)], cwd=ROOT,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "--port", str(self.port), "--runtime-dir", str(self.runtime)], cwd=self.code,
+                                     env=self.cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)
@@ -435,8 +446,7 @@ def markdown(res: dict) -> str:
         or (k in ("cold_start", "recovery_vs_own_cold_start") and v > 0.5))]
     if missed:
         lines += ["", "Targets missed: " + ", ".join(missed) + ". Why, and what would close them: "
-                  "docs/performance.md (throughput: the worker hop, per-step pickles over ZeroMQ with no "
-                  "overlap of scheduling and execution; recovery: what a warm standby still has to do, "
+                  "docs/performance.md, \"Known gaps\" (recovery: what a warm standby still has to do, "
                   "load the model and build the engine)."]
     return "\n".join(lines) + "\n"
 

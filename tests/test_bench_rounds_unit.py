@@ -1,12 +1,14 @@
-"""bench.rounds --pool: the rounds of several result files as one result (no servers)."""
+"""bench.rounds without servers: --pool (the rounds of several result files as one result), and
+--base-commit's plan (the arguments, the sides, their order) and its git worktree."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
-from bench.rounds import markdown, pool
+from bench.rounds import check, label, markdown, parser, plan, pool, resolve_commit, schedule, tree_label, worktree
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +42,63 @@ def test_files_of_other_servers_are_not_pooled(tmp_path):
     two.write_text(json.dumps(result([100], [90], a="servectl A", b="servectl B")))
     with pytest.raises(SystemExit, match="different servers"):
         pool([one, two])
+
+
+# ---- --base-commit: one side from a git worktree of another commit --------------------------------
+
+def test_base_commit_plans_the_commit_against_this_tree_alternating(tmp_path):
+    p = parser().parse_args(["--base-commit", "abc", "--rounds", "2", "--env-a", "K=1", "--engine-arg-b", "x=true"])
+    check(p)
+    a, b = plan(p, base_code=tmp_path, base_commit="0123456789abcdef", tree="fedcba9876+dirty")
+    assert (a.name, a.kind, a.code, a.commit, a.env) == ("servectl@0123456789", "servectl", tmp_path,
+                                                        "0123456789abcdef", {"K": "1"})
+    assert (b.name, b.code, b.commit, b.engine_args) == ("servectl@fedcba9876+dirty", None, None, {"x": "true"})
+    assert [(i, s.name) for i, s in schedule(2, (a, b))] == [(0, a.name), (0, b.name), (1, a.name), (1, b.name)]
+    assert label(a.name) == "servectl-0123456789" and label(b.name) == "servectl-fedcba9876-dirty"
+
+
+def test_without_a_base_commit_the_sides_are_as_before():
+    a, b = plan(parser().parse_args([]))
+    assert (a.name, a.kind, b.name, b.kind, b.code) == ("vllm serve", "vllm", "servectl", "servectl", None)
+    a, b = plan(parser().parse_args(["--only", "servectl", "--env-a", "A=1", "--env-b", "B=2"]))
+    assert (a.name, a.env, b.name, b.env) == ("servectl A", {"A": "1"}, "servectl B", {"B": "2"})
+    assert (label(a.name), label(b.name)) == ("servectl-A", "servectl-B")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--base-commit", "x", "--pool", "a.json"], "one or the other"),
+    (["--base-commit", "x", "--only", "servectl"], "drop --only"),
+    (["--rounds", "0"], "at least 1"),
+    (["--env-a", "NOEQUALS"], "K=V"),
+])
+def test_contradictory_arguments_are_refused(argv, needle):
+    with pytest.raises(SystemExit, match=needle):
+        check(parser().parse_args(argv))
+
+
+def test_the_worktree_holds_the_commit_and_goes_away(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def g(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    g("init", "-q")
+    (repo / "f.txt").write_text("old\n")
+    g("add", "f.txt")
+    g("commit", "-q", "-m", "old")
+    old = g("rev-parse", "HEAD")
+    (repo / "f.txt").write_text("new\n")
+    g("commit", "-q", "-am", "new")
+    assert resolve_commit(old[:7], repo) == old
+    with pytest.raises(SystemExit, match="not a commit"):
+        resolve_commit("no-such-rev", repo)
+    assert tree_label(repo) == g("rev-parse", "--short=10", "HEAD")
+    (repo / "f.txt").write_text("edited\n")
+    assert tree_label(repo).endswith("+dirty")
+    with worktree(old, repo) as path:
+        assert (path / "f.txt").read_text() == "old\n"
+        assert str(path) in g("worktree", "list")
+    assert not path.exists() and str(path) not in g("worktree", "list")
+    assert (repo / "f.txt").read_text() == "edited\n"  # this tree untouched
