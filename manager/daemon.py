@@ -37,6 +37,7 @@ from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from servectl import config as C
 from servectl.messages import bind_failure
+from servectl.model_check import check_model_paths
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
                            rss_bytes, with_package_path)
@@ -297,7 +298,7 @@ class Manager:
             log.error("reload refused: %s", exc)
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, str(exc)
-        bad = C.check_model_paths(new, self.config_path, self.overrides)
+        bad = check_model_paths(new, self.config_path, self.overrides)
         if bad:
             log.error("reload refused: %s", "; ".join(bad))
             notify("READY=1\nSTATUS=reload refused: config error")

@@ -23,6 +23,7 @@ from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager, wait_settled
 from servectl.messages import last_error, one_line, without_tracebacks
+from servectl.model_check import check_model_paths
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
 from servectl.status_view import fmt_age, models_table, proc_usage
 from servectl.wire.vocab import ChildState, EventKind, ExitCode, ModelState
@@ -141,7 +142,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
     except C.ConfigError as exc:
         say(err, (str(exc), "red"))
         sys.exit(CONFIG_ERROR)
-    bad = C.check_model_paths(cfg, found, overrides)
+    bad = check_model_paths(cfg, found, overrides)
     if bad:
         for msg in bad:
             say(err, (msg, "red"))
@@ -353,7 +354,7 @@ def load(runtime_dir, name, path, tp, devices, engine_args):
     except (msgspec.ValidationError, C.ConfigError) as exc:
         say(err, (f"bad model: {exc}", "red"))
         sys.exit(CONFIG_ERROR)
-    bad = C.check_model_paths(C.Config(models=[model]), None, C.Overrides(model=path))
+    bad = check_model_paths(C.Config(models=[model]), None, C.Overrides(model=path))
     if bad:
         for msg in bad:
             say(err, (msg, "red"))
@@ -442,13 +443,30 @@ def config_check(path):
         say(err, (str(exc), "red"))
         sys.exit(CONFIG_ERROR)
     # Model paths first (no process needed), then vLLM's judgement of the engine arguments.
-    bad = C.check_model_paths(cfg, found) or C.check_engine_args(cfg)
+    bad = check_model_paths(cfg, found) or check_engine_args(cfg)
     if bad:
         for msg in bad:
             say(err, (msg, "red"))
         sys.exit(CONFIG_ERROR)
     say(err, f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):")
     click.echo(msgspec.json.format(msgspec.json.encode(C.redacted(cfg)), indent=2).decode())
+
+
+def check_engine_args(cfg: C.Config) -> list[str]:
+    """Let vLLM judge each model's engine arguments in a short-lived process
+    (`python -m engine_core --check`), since the CLI never imports vLLM."""
+    import json
+    import subprocess
+    import sys
+
+    problems = []
+    for m in cfg.models:
+        proc = subprocess.run([sys.executable, "-m", "engine_core", "--check", "--engine-args",
+                               json.dumps(m.engine_args)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            problems.append(f"model {m.name}: {lines[-1] if lines else 'engine argument check failed'}")
+    return problems
 
 
 if __name__ == "__main__":

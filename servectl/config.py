@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -40,12 +39,8 @@ GenerationKey = Literal["temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 # Engines and workers never reach the hub unless a model's `env` says otherwise
 # (manager/group.py puts these in their environment): a hub id must then be in
-# the local Hugging Face cache.
+# the local Hugging Face cache (servectl/model_check.py checks it there).
 ENGINE_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# A model's weights may be a single GGUF file instead of a directory.
-MODEL_FILE_SUFFIXES = (".gguf",)
-# Hugging Face's repo id: "name" or "namespace/name" (huggingface_hub's validate_repo_id).
-HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -354,78 +349,3 @@ def encode(cfg: Config) -> bytes:
 def decode(data: bytes | str) -> Config:
     return msgspec.json.decode(data, type=Config)
 
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hf_hub_cache(env: Mapping[str, str]) -> Path:
-    """Where huggingface_hub keeps downloaded models, in the environment ``env``."""
-    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(key):
-            return Path(env[key]).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                              "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def model_path_problem(model: str, env: Mapping[str, str]) -> str | None:
-    """Why ``model`` (a model's ``model`` value) cannot be served, or None.
-
-    It must be an existing local directory holding a model config (config.json,
-    or params.json in Mistral's format), a GGUF file, or a Hugging Face hub id;
-    with HF_HUB_OFFLINE (the engines' default) a hub id must be in the local
-    cache, since nothing will be downloaded. ``env`` is the engine's environment.
-    """
-    path = Path(model)
-    if path.is_dir():
-        if (path / "config.json").is_file() or (path / "params.json").is_file():
-            return None
-        return f"{model} holds no config.json (not a Hugging Face model directory)"
-    if path.exists():
-        return None if path.suffix in MODEL_FILE_SUFFIXES else f"{model} is not a model directory"
-    if model.startswith(("/", ".", "~")):
-        return f"{model} does not exist"
-    if not HUB_ID.match(model) or "--" in model or ".." in model:
-        return f"{model} does not exist, and is not a Hugging Face hub id either"
-    if not _truthy(env.get("HF_HUB_OFFLINE")):
-        return None  # a hub id, downloaded by the engine
-    cache = hf_hub_cache(env)
-    snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
-    if any((snap / "config.json").is_file() or (snap / "params.json").is_file()
-           for snap in (snapshots.iterdir() if snapshots.is_dir() else ())):
-        return None
-    return (f"{model} is neither a local directory nor in the local Hugging Face cache ({cache}), and engines "
-            "run offline (HF_HUB_OFFLINE=1): download it first, or set HF_HUB_OFFLINE = \"0\" in the model's env")
-
-
-def check_model_paths(cfg: Config, path: Path | str | None = None, ov: Overrides | None = None) -> list[str]:
-    """Every model whose ``model`` cannot be served, naming the key and the file
-    (or the option), before any process starts."""
-    problems = []
-    for i, m in enumerate(cfg.models):
-        why = model_path_problem(m.model, {**os.environ, **ENGINE_OFFLINE_ENV, **m.env})
-        if why is None:
-            continue
-        if i == 0 and ov is not None and ov.model:
-            problems.append(f"bad option: --model: {why}")
-        else:
-            problems.append(f"config error{' in ' + str(path) if path else ''}: models[{i}].model ({m.name}): {why}")
-    return problems
-
-
-def check_engine_args(cfg: Config) -> list[str]:
-    """Let vLLM judge each model's engine arguments in a short-lived process
-    (`python -m engine_core --check`), since the CLI never imports vLLM."""
-    import json
-    import subprocess
-    import sys
-
-    problems = []
-    for m in cfg.models:
-        proc = subprocess.run([sys.executable, "-m", "engine_core", "--check", "--engine-args",
-                               json.dumps(m.engine_args)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            problems.append(f"model {m.name}: {lines[-1] if lines else 'engine argument check failed'}")
-    return problems

@@ -30,6 +30,7 @@ from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import ControlClient, NotRunning, StartFailed, spawn_manager, wait_settled
 from servectl.messages import last_error, without_tracebacks
+from servectl.model_check import check_model_paths
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir
 
 
@@ -153,7 +154,7 @@ class Server(Connection):
         with self._lock:
             if self._proc is not None:
                 return self
-            bad = C.check_model_paths(self.config)
+            bad = check_model_paths(self.config)
             if bad:
                 raise ServerError("\n".join(bad))
             state = self.config.manager.state_dir

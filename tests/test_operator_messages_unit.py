@@ -24,6 +24,7 @@ from manager.children import ChildState
 from manager.group import GroupState
 from servectl import cli
 from servectl import config as C
+from servectl import model_check as MC
 from servectl.messages import bind_failure, last_error, one_line, without_tracebacks
 from servectl.proc import listeners, port_holder
 from servectl.wire import control as P
@@ -199,41 +200,41 @@ def offline(**env) -> dict[str, str]:
 def test_model_paths(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    assert C.model_path_problem(str(model), offline()) == f"{model} holds no config.json (not a Hugging Face model directory)"
+    assert MC.model_path_problem(str(model), offline()) == f"{model} holds no config.json (not a Hugging Face model directory)"
     (model / "config.json").write_text("{}")
-    assert C.model_path_problem(str(model), offline()) is None
-    assert C.model_path_problem(str(C.DEFAULT_MODEL_DIR), offline()) is None
-    assert C.model_path_problem("/nonexistent/model/dir", offline()) == "/nonexistent/model/dir does not exist"
-    assert C.model_path_problem(str(model / "config.json"), offline()).endswith("is not a model directory")
+    assert MC.model_path_problem(str(model), offline()) is None
+    assert MC.model_path_problem(str(C.DEFAULT_MODEL_DIR), offline()) is None
+    assert MC.model_path_problem("/nonexistent/model/dir", offline()) == "/nonexistent/model/dir does not exist"
+    assert MC.model_path_problem(str(model / "config.json"), offline()).endswith("is not a model directory")
     (tmp_path / "w.gguf").write_bytes(b"GGUF")
-    assert C.model_path_problem(str(tmp_path / "w.gguf"), offline()) is None
-    assert "not a Hugging Face hub id" in C.model_path_problem("not a/hub id!", offline())
+    assert MC.model_path_problem(str(tmp_path / "w.gguf"), offline()) is None
+    assert "not a Hugging Face hub id" in MC.model_path_problem("not a/hub id!", offline())
 
 
 def test_hub_ids_offline_must_be_in_the_local_cache(tmp_path):
     env = offline(HF_HUB_CACHE=str(tmp_path))
-    why = C.model_path_problem("org/tiny", env)
+    why = MC.model_path_problem("org/tiny", env)
     assert "org/tiny" in why and str(tmp_path) in why and "HF_HUB_OFFLINE" in why
     snap = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
-    assert C.model_path_problem("org/tiny", env) is not None  # a snapshot without a config
+    assert MC.model_path_problem("org/tiny", env) is not None  # a snapshot without a config
     (snap / "config.json").write_text("{}")
-    assert C.model_path_problem("org/tiny", env) is None
-    assert C.model_path_problem("org/other", {**env, "HF_HUB_OFFLINE": "0"}) is None  # downloaded at load
-    assert C.hf_hub_cache({"HF_HOME": "/h"}) == C.Path("/h/hub")
+    assert MC.model_path_problem("org/tiny", env) is None
+    assert MC.model_path_problem("org/other", {**env, "HF_HUB_OFFLINE": "0"}) is None  # downloaded at load
+    assert MC.hf_hub_cache({"HF_HOME": "/h"}) == C.Path("/h/hub")
 
 
 def test_check_model_paths_names_the_key_and_the_file_or_the_option(tmp_path):
     cfg = C.Config(models=[C.ModelConfig(name="ok", model=str(C.DEFAULT_MODEL_DIR)),
                            C.ModelConfig(name="fire", model="/nonexistent/model/dir")])
-    assert C.check_model_paths(cfg, tmp_path / "c.toml") == [
+    assert MC.check_model_paths(cfg, tmp_path / "c.toml") == [
         f"config error in {tmp_path / 'c.toml'}: models[1].model (fire): /nonexistent/model/dir does not exist"]
     cfg.models.reverse()
-    assert C.check_model_paths(cfg, None, C.Overrides(model="/nonexistent/model/dir")) == [
+    assert MC.check_model_paths(cfg, None, C.Overrides(model="/nonexistent/model/dir")) == [
         "bad option: --model: /nonexistent/model/dir does not exist"]
     # A model's own env decides: online, a hub id is left to the engine.
     cfg = C.Config(models=[C.ModelConfig(name="h", model="org/tiny", env={"HF_HUB_OFFLINE": "0"})])
-    assert C.check_model_paths(cfg) == []
+    assert MC.check_model_paths(cfg) == []
 
 
 # ---- which load failures are permanent ------------------------------------------------------

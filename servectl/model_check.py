@@ -1,0 +1,79 @@
+"""Whether a configured model can be served, before any process starts: its ``model`` path or
+hub id (a local directory with a model config, a GGUF file, or a hub id in the local cache
+while engines run offline). Configuration itself (schema, lookup, defaults) is config.py;
+whether vLLM accepts a model's engine arguments is asked of a short-lived engine process
+by the CLI (``servectl config check``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from servectl.config import ENGINE_OFFLINE_ENV, Config, Overrides
+
+# A model's weights may be a single GGUF file instead of a directory.
+MODEL_FILE_SUFFIXES = (".gguf",)
+# Hugging Face's repo id: "name" or "namespace/name" (huggingface_hub's validate_repo_id).
+HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_hub_cache(env: Mapping[str, str]) -> Path:
+    """Where huggingface_hub keeps downloaded models, in the environment ``env``."""
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(key):
+            return Path(env[key]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                              "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def model_path_problem(model: str, env: Mapping[str, str]) -> str | None:
+    """Why ``model`` (a model's ``model`` value) cannot be served, or None.
+
+    It must be an existing local directory holding a model config (config.json,
+    or params.json in Mistral's format), a GGUF file, or a Hugging Face hub id;
+    with HF_HUB_OFFLINE (the engines' default) a hub id must be in the local
+    cache, since nothing will be downloaded. ``env`` is the engine's environment.
+    """
+    path = Path(model)
+    if path.is_dir():
+        if (path / "config.json").is_file() or (path / "params.json").is_file():
+            return None
+        return f"{model} holds no config.json (not a Hugging Face model directory)"
+    if path.exists():
+        return None if path.suffix in MODEL_FILE_SUFFIXES else f"{model} is not a model directory"
+    if model.startswith(("/", ".", "~")):
+        return f"{model} does not exist"
+    if not HUB_ID.match(model) or "--" in model or ".." in model:
+        return f"{model} does not exist, and is not a Hugging Face hub id either"
+    if not _truthy(env.get("HF_HUB_OFFLINE")):
+        return None  # a hub id, downloaded by the engine
+    cache = hf_hub_cache(env)
+    snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
+    if any((snap / "config.json").is_file() or (snap / "params.json").is_file()
+           for snap in (snapshots.iterdir() if snapshots.is_dir() else ())):
+        return None
+    return (f"{model} is neither a local directory nor in the local Hugging Face cache ({cache}), and engines "
+            "run offline (HF_HUB_OFFLINE=1): download it first, or set HF_HUB_OFFLINE = \"0\" in the model's env")
+
+
+def check_model_paths(cfg: Config, path: Path | str | None = None, ov: Overrides | None = None) -> list[str]:
+    """Every model whose ``model`` cannot be served, naming the key and the file
+    (or the option), before any process starts."""
+    problems = []
+    for i, m in enumerate(cfg.models):
+        why = model_path_problem(m.model, {**os.environ, **ENGINE_OFFLINE_ENV, **m.env})
+        if why is None:
+            continue
+        if i == 0 and ov is not None and ov.model:
+            problems.append(f"bad option: --model: {why}")
+        else:
+            problems.append(f"config error{' in ' + str(path) if path else ''}: models[{i}].model ({m.name}): {why}")
+    return problems
