@@ -86,20 +86,24 @@ def _comments(source: str) -> dict[int, str]:
 def findings(source: str, path: str = "<string>") -> list[str]:
     """``path:line: what`` for every timed wait in ``source`` that carries no event-proof comment."""
     tree = ast.parse(source)
+    # Each timed call with the first line of the statement it is part of.
+    calls: list[tuple[ast.Call, str, int]] = []
+    for stmt in ast.walk(tree):
+        if not isinstance(stmt, ast.stmt):
+            continue
+        todo = [c for c in ast.iter_child_nodes(stmt) if not isinstance(c, ast.stmt)]
+        while todo:  # the statement's own expressions, not the statements nested in its body
+            node = todo.pop()
+            if isinstance(node, ast.Call) and (what := timed(node)) is not None:
+                calls.append((node, what, stmt.lineno))
+            todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.stmt))
+    if not calls:
+        return []
     comments = _comments(source)
     lines = source.splitlines()
-    parents: dict[ast.AST, ast.AST] = {}
-    for parent in ast.walk(tree):
-        for child in ast.iter_child_nodes(parent):
-            parents[child] = parent
     out = []
-    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
-        if not isinstance(node, ast.Call) or (what := timed(node)) is None:
-            continue
-        stmt: ast.AST = node
-        while not isinstance(stmt, ast.stmt) and stmt in parents:
-            stmt = parents[stmt]
-        first = min(stmt.lineno, node.lineno)
+    for node, what, stmt_line in sorted(calls, key=lambda c: (c[0].lineno, c[0].col_offset)):
+        first = min(stmt_line, node.lineno)
         marked = any(MARK in comments.get(n, "") for n in range(first, node.end_lineno + 1))
         above = first - 1
         while not marked and above >= 1 and lines[above - 1].strip().startswith("#"):
