@@ -8,7 +8,7 @@ echo and all); every other unfinished choice is continued on its own
 (``Generate.resume``: its output so far as token ids, the characters of text
 the client has), or, where vLLM cannot continue it exactly, restarted from
 scratch if the client saw none of it (a whole answer, not sent yet) and
-otherwise not at all (the request fails as before: an SSE error event).
+otherwise not at all (the request fails: an SSE error event).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def permanent_reason(exc: BaseException) -> str | None:
 
 
 class RemoteFailure(str):
-    """A worker's error reply: its text (class, message, traceback) as before, and,
+    """A worker's error reply: its text (class, message, traceback) and,
     if a restart cannot fix it, the one-line reason judged in the worker."""
 
     permanent: str | None

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
-    # which is a SIGTERM from the manager: log, then die of it as before.
+    # which is a SIGTERM from the manager: log, then die of the signal (the manager reads that exit).
     def log_counters_and_die(signum, frame) -> None:
         log.info("stopping: %s; %s", group.counters(), server.counters())
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -214,4 +214,3 @@ def check_engine_args(engine_args: dict[str, Any]) -> int:
         print(f"invalid engine arguments: {one_line(str(exc))}", file=sys.stderr)
         return 2
     return 0
-

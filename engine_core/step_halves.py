@@ -6,7 +6,7 @@ then processes what it returned: detokenising, stop strings, aborting the
 requests a stop string finished, stats. servectl then builds each request's
 deltas and sends them to its gateway. All of that is the engine's one thread
 while the worker sits idle, so with synchronous scheduling every decode step
-used to wait for the previous step's outputs to be processed and sent. In
+would wait for the previous step's outputs to be processed and sent. In
 `vllm serve` the same output processing runs in the API-server process,
 beside the engine core.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# "0" processes every step's outputs at once, before the next step is scheduled (as before):
+# "0" processes every step's outputs at once, before the next step is scheduled:
 # a switch for comparing the two (python -m bench.rounds --only servectl --env-b ...=0).
 OVERLAP_ENV = "SERVECTL_OUTPUT_OVERLAP"
 
