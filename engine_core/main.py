@@ -214,3 +214,4 @@ def check_engine_args(engine_args: dict[str, Any]) -> int:
         print(f"invalid engine arguments: {one_line(str(exc))}", file=sys.stderr)
         return 2
     return 0
+
