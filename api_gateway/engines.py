@@ -96,6 +96,9 @@ class EngineLink:
         self._abort_ids: list[str] = []  # aborts not yet on the socket, sent in order by one task
         self._abort_task: asyncio.Task | None = None
         self.replies: dict[str, asyncio.Future] = {}  # tokenizer requests awaiting their answer
+        self.on_engine = {EP.StepOutput: self._on_step_output, EP.StatsReply: self._on_stats_reply,
+                          EP.MetricsReply: self._on_metrics_reply, EP.RequestError: self._on_request_error,
+                          EP.TokenizerReply: self._on_tokenizer_reply}
 
     @property
     def is_ready(self) -> bool:
@@ -218,31 +221,38 @@ class EngineLink:
             self.on_engine_message(msg, incarnation)
 
     def on_engine_message(self, msg, incarnation: str) -> None:
-        """One frame from the engine our socket was opened for (``incarnation``)."""
+        """One frame from the engine our socket was opened for (``incarnation``): the Hello's
+        answer, or a message of the engine lifetime that answered it (any other is dropped)."""
         if isinstance(msg, EP.HelloReply):
             self._on_hello(msg, incarnation)
-        elif msg.incarnation != self.incarnation:
-            return
-        elif isinstance(msg, EP.StepOutput):
-            for delta in msg.deltas:
-                stream = self.streams.get(delta.request_id)
-                if stream is not None:
-                    stream.sink.put_nowait((delta.request_id, delta))
-                    if delta.finish_reason is not None:
-                        stream.unfinished -= 1
-                        if stream.unfinished <= 0:
-                            self.streams.pop(delta.request_id, None)
-        elif isinstance(msg, EP.StatsReply):
-            waiters, self.stats_waiters = self.stats_waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(msg)
-        elif isinstance(msg, EP.MetricsReply):
-            waiters, self.metrics_waiters = self.metrics_waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(msg.text)
-        elif isinstance(msg, EP.RequestError) and msg.released:
+        elif msg.incarnation == self.incarnation:
+            self.on_engine[type(msg)](msg)
+
+    # ---- one handler per engine message (but HelloReply: _on_hello) -------------------
+    def _on_step_output(self, msg: EP.StepOutput) -> None:
+        for delta in msg.deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is not None:
+                stream.sink.put_nowait((delta.request_id, delta))
+                if delta.finish_reason is not None:
+                    stream.unfinished -= 1
+                    if stream.unfinished <= 0:
+                        self.streams.pop(delta.request_id, None)
+
+    def _on_stats_reply(self, msg: EP.StatsReply) -> None:
+        waiters, self.stats_waiters = self.stats_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(msg)
+
+    def _on_metrics_reply(self, msg: EP.MetricsReply) -> None:
+        waiters, self.metrics_waiters = self.metrics_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(msg.text)
+
+    def _on_request_error(self, msg: EP.RequestError) -> None:
+        if msg.released:
             # The engine agreed to give its memory back: nothing more goes to it, and the
             # request (not started) waits for the wake like any other (sequences.py sends it again).
             # (later bounces, from requests sent meanwhile, change nothing)
@@ -252,17 +262,18 @@ class EngineLink:
             if stream is not None:
                 stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
                                                                           retry_after=5)))
-        elif isinstance(msg, EP.RequestError):
-            stream = self.streams.pop(msg.request_id, None)
-            if stream is not None:
-                stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))
-            fut = self.replies.pop(msg.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(EngineRequestError(msg.message, msg.status, msg.param))
-        elif isinstance(msg, EP.TokenizerReply):
-            fut = self.replies.pop(msg.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.body)
+            return
+        stream = self.streams.pop(msg.request_id, None)
+        if stream is not None:
+            stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))
+        fut = self.replies.pop(msg.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(EngineRequestError(msg.message, msg.status, msg.param))
+
+    def _on_tokenizer_reply(self, msg: EP.TokenizerReply) -> None:
+        fut = self.replies.pop(msg.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.body)
 
     def _on_hello(self, msg: EP.HelloReply, incarnation: str) -> None:
         if msg.version != EP.PROTOCOL_VERSION:

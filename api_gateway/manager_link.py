@@ -21,6 +21,7 @@ import zmq.asyncio
 from api_gateway.engines import EngineLink
 from api_gateway.metrics import Metrics
 from servectl.paths import RuntimePaths
+from servectl.tasks import Tasks
 from servectl.wire import control as MP
 from servectl.wire.vocab import EventKind, ModelState
 
@@ -41,7 +42,7 @@ class ManagerLink:
         self.count_restarts = count_restarts
         self.send_timeout_s = send_timeout_s
         self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
-        self._reports: set[asyncio.Task] = set()
+        self.tasks = Tasks(log)  # reports sent in the background (WakeModel, GroupHung)
         self.sub: zmq.asyncio.Socket | None = None
         self.control: zmq.asyncio.Socket | None = None
         self.component = ""  # ours in the manager's words (set by send_ready)
@@ -130,16 +131,12 @@ class ManagerLink:
 
     def wake(self, model: str) -> None:
         """A request waits for a released model: ask the manager to bring it back (idempotent there)."""
-        task = asyncio.get_running_loop().create_task(self._report(MP.encoder.encode(MP.WakeModel(model=model))))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self.tasks.start(self._report(MP.encoder.encode(MP.WakeModel(model=model))), f"wake {model}")
 
     def report_hang(self, link: EngineLink) -> None:
         """Tell the manager a model produced nothing and did not answer Stats: it restarts the group."""
         msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
-        task = asyncio.get_running_loop().create_task(self._report(msg))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self.tasks.start(self._report(msg), f"report {link.model} hung")
 
     async def _report(self, body: bytes) -> None:
         try:

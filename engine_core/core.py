@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,6 +46,16 @@ log = logging.getLogger("engine_core")
 # between two steps; the rest wait for the next gap, so a large batch arriving does not
 # stall the tokens of requests already running. An idle engine adds everything at once.
 ADD_BUDGET_S = 0.01
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """One engine request added to vLLM and not finished: everything the engine keeps for it
+    (its held output aside: ``HeldOutput``), dropped in one place, ``EngineServer._forget``."""
+
+    peer: bytes  # the gateway that sent it (its identity on the frontend)
+    spec: Any  # its OutputSpec: what its responses show
+    resumed: int | None = None  # the choice it continues (engine_core/resume.py), or None
 
 
 class StepFailed(RuntimeError):
@@ -82,13 +93,10 @@ class EngineServer:
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
         self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freezing and spec.freeze_grace_s > 0 else None
-        self.owner: dict[str, bytes] = {}  # request id -> gateway identity
-        self.by_peer: dict[bytes, set[str]] = defaultdict(set)
+        self.requests: dict[str, InFlight] = {}  # request id -> what the engine keeps for it
+        self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
-        self.specs: dict[str, Any] = {}  # request id -> its OutputSpec (what its responses show)
-        # Resumed requests: the choice each continues (engine_core/resume.py).
-        self.resumed: dict[str, int] = {}
         self.outputs = OutputFormatter(self.tokenizer)
         self.held = HeldOutput()  # non-streaming requests' output, sent in a few messages (coalesce.py)
         self.rejected = 0
@@ -215,7 +223,7 @@ class EngineServer:
         self._send(peer, P.MetricsReply(incarnation=self.spec.incarnation, text=text))
 
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
-        missing = [rid for rid in msg.request_ids if rid not in self.owner and rid not in self.pending]
+        missing = [rid for rid in msg.request_ids if rid not in self.requests and rid not in self.pending]
         self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
                                       unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
                                       overlapped_steps=self.group.overlapped_steps,
@@ -313,7 +321,7 @@ class EngineServer:
             self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, released=True,
                                             message=f"model {self.spec.model.name!r} is released", status=503))
             return
-        if rid in self.owner or rid in self.pending:
+        if rid in self.requests or rid in self.pending:
             self._refuse(peer, rid, f"duplicate request id {rid}", 400)
             return
         self.pending[rid] = (peer, msg)
@@ -347,7 +355,6 @@ class EngineServer:
             internal_id = self.engine.add_request(rid, built.engine_input, built.params, priority=built.priority,
                                                   session_id=built.session_id)
             if msg.resume is not None:
-                self.resumed[rid] = msg.resume.index
                 seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
@@ -359,10 +366,9 @@ class EngineServer:
                 log.warning("request %s refused at admission: %s (param %s)", rid, type(exc).__name__, bad.param)
             self._refuse(peer, rid, str(bad), bad.status, bad.param)
             return
-        self.owner[rid] = peer
-        self.by_peer[peer].add(rid)
         built.spec.whole = not msg.body.get("stream")
-        self.specs[rid] = built.spec
+        self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
+        self.by_peer[peer].add(rid)
 
     def _drop(self, rid: str) -> None:
         """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
@@ -377,7 +383,7 @@ class EngineServer:
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
             self.pending.pop(rid, None)
-        live = [i for i in ids if i in self.owner]
+        live = [i for i in ids if i in self.requests]
         if live:
             self.engine.abort_request(live)
             log.info("aborted %d request(s): %s", len(live), " ".join(live[:8]))
@@ -385,13 +391,14 @@ class EngineServer:
             self._forget(rid)
 
     def _forget(self, rid: str) -> None:
-        peer = self.owner.pop(rid, None)
-        if peer is not None:
-            self.by_peer[peer].discard(rid)
-            if not self.by_peer[peer]:
-                del self.by_peer[peer]
-        self.specs.pop(rid, None)
-        self.resumed.pop(rid, None)
+        """The one place a request's state goes: its record, its gateway's index entry, its held output."""
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            mine = self.by_peer.get(req.peer)
+            if mine is not None:
+                mine.discard(rid)
+                if not mine:
+                    del self.by_peer[req.peer]
         self.held.drop(rid)
 
     # ---- one step ----------------------------------------------------------------
@@ -457,16 +464,17 @@ class EngineServer:
         now = time.monotonic()
         for ro in self.halves.process(kept):
             rid = ro.request_id
-            peer, spec = self.owner.get(rid), self.specs.get(rid)
-            if peer is None or spec is None:
+            req = self.requests.get(rid)
+            if req is None:
                 continue  # aborted meanwhile
+            peer, spec = req.peer, req.spec
             try:
                 first = not spec.started
                 deltas = self.outputs.deltas(ro, spec, first=first)
                 spec.started = True
-                if rid in self.resumed:  # the choice it continues; the client had its prompt already
+                if req.resumed is not None:  # the choice it continues; the client had its prompt already
                     for d in deltas:
-                        d.index, d.prompt = self.resumed[rid], None
+                        d.index, d.prompt = req.resumed, None
                 if spec.whole and not first:  # the first goes at once: it times the first token
                     deltas = self.held.take(rid, deltas, ro.finished, now)
                 batches[peer].extend(deltas)

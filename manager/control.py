@@ -251,7 +251,7 @@ class ControlServer:
             ok, message = await self.manager.reload()
             self.reply(caller, P.Ack(ok=ok, message=message))  # once applied, not before
 
-        asyncio.get_running_loop().create_task(run())
+        self.manager.tasks.start(run(), "reload")
 
     def on_load(self, caller: Caller, msg: P.LoadModel) -> None:
         if msg.model.name in self.manager.groups:
@@ -266,7 +266,7 @@ class ControlServer:
         if msg.name not in self.manager.groups:
             self.reply(caller, self.no_model(msg.name))
             return
-        asyncio.get_running_loop().create_task(self.manager.remove_model(msg.name))
+        self.manager.tasks.start(self.manager.remove_model(msg.name), f"unload {msg.name}")
         self.reply(caller, P.Ack(ok=True, message=f"unloading {msg.name}"))
 
     def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:

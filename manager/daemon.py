@@ -39,8 +39,9 @@ from servectl import config as C
 from servectl.messages import bind_failure
 from servectl.model_check import check_model_paths
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
-from servectl.proc import (INSTANCE_ENV, PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of,
-                           rss_bytes, with_package_path)
+from servectl.tasks import Tasks
+from servectl.proc import (PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of, process_env,
+                           rss_bytes)
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_component, engine_identity, model_component
 from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ManagerState
@@ -77,6 +78,7 @@ class Manager:
         self.started_at = time.time()
         self.state = ManagerState.STARTING
         self.exit_code = 0
+        self.tasks = Tasks(log)  # what runs in the background: restarts, reloads, unloads, the shutdown
         self.ctx = zmq.asyncio.Context()
         self.control = ControlServer(self, self.ctx)
         self.standbys = StandbyPool(self)
@@ -99,14 +101,9 @@ class Manager:
 
     # ---- children ------------------------------------------------------------
     def child_env(self, extra: dict[str, str]) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("NOTIFY_SOCKET", None)  # only the manager talks to systemd
-        env.pop("WATCHDOG_USEC", None)
-        env.update(extra)
-        env[INSTANCE_ENV] = self.instance
-        env[PARENT_ENV] = str(os.getpid())
-        env["PYTHONUNBUFFERED"] = "1"
-        return with_package_path(env)  # children import our packages from wherever the manager did
+        # Only the manager talks to systemd; children import our packages from wherever it did.
+        return process_env(self.instance, {**extra, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"},
+                         drop=("NOTIFY_SOCKET", "WATCHDOG_USEC"))
 
     def watch(self, child: Child) -> None:
         loop = asyncio.get_running_loop()
@@ -279,14 +276,14 @@ class Manager:
             for group in targets:
                 await group.restart(self.settings.drain_timeout_s, self.settings.stop_grace_s)
 
-        asyncio.get_running_loop().create_task(run())
+        self.tasks.start(run(), f"restart {model or 'every model'}")
         return [g.name for g in targets]
 
     def request_reload(self) -> None:
         """SIGHUP: as `servectl reload`, audited as the signal (its sender is not known here)."""
         self.control.record(None, "reload (SIGHUP)", "accepted")
         if not self.shutting_down:
-            asyncio.get_running_loop().create_task(self.reload())
+            self.tasks.start(self.reload(), "reload (SIGHUP)")
 
     async def reload(self) -> tuple[bool, str]:
         """Re-read the file, re-apply the start options, and apply only the difference."""
@@ -332,7 +329,7 @@ class Manager:
     def request_shutdown(self, timeout_s: float | None = None) -> None:
         if not self.shutting_down:
             self.state = ManagerState.STOPPING
-            asyncio.get_running_loop().create_task(self.shutdown(timeout_s))
+            self.tasks.start(self.shutdown(timeout_s), "shutdown")
 
     async def shutdown(self, timeout_s: float | None) -> None:
         notify("STOPPING=1")

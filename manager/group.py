@@ -27,6 +27,7 @@ from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
 from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
+from servectl.tasks import Tasks
 from servectl.wire import control as P
 from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
 from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
@@ -89,6 +90,7 @@ class GroupHost(Protocol):
     runtime_dir: Path
     log_dir: Path
     standbys: StandbyPool
+    tasks: Tasks  # what the group starts in the background (an unload's stop)
 
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
     def watch(self, child: Child) -> None: ...
@@ -296,7 +298,7 @@ class EngineGroup:
             if self.wake_wanted and self.state is S.RELEASED:
                 self.wake()
 
-        asyncio.get_running_loop().create_task(unload())
+        self.host.tasks.start(unload(), f"release {self.name}")
 
     def wake(self) -> None:
         """A gateway holds a request for this model: bring it back (idempotent)."""

@@ -50,11 +50,6 @@ class PermissionDenied(Exception):
     """This user may not send that command (it changes the daemon; they are not its owner)."""
 
 
-# Read-only requests go to the read-only socket (what a group-shared runtime
-# directory's group may reach); everything else to the owner's control socket.
-READ_ONLY = (P.StatusRequest, P.WaitSettled)
-
-
 def not_running_message(root: Path, detail: str) -> str:
     text = f"servectl is not running ({detail})"
     if root != SYSTEM_RUNTIME_DIR and system_dir_denied():
@@ -83,7 +78,7 @@ class ControlClient:
     def socket_for(self, msg) -> Path:
         """The read-only socket for what only reads, the control socket (owner only) for the rest."""
         check_runtime_dir(self.paths.root)
-        if isinstance(msg, READ_ONLY):
+        if isinstance(msg, P.READ_ONLY):
             path = self.paths.control_ro
             if path.exists() and os.access(path, os.W_OK):
                 return path
@@ -95,7 +90,7 @@ class ControlClient:
             raise PermissionDenied(
                 f"permission denied: {self.paths.control} is its owner's ({user_name(owner)}); "
                 + ("this command changes the daemon, so only that user or root may send it; members of its "
-                   "group may use status, events and logs" if not isinstance(msg, READ_ONLY) else
+                   "group may use status, events and logs" if not isinstance(msg, P.READ_ONLY) else
                    "you are not in the group of its runtime directory"))
         return path
 
@@ -139,13 +134,12 @@ def manager_spec_fd(cfg: C.Config, config_path: str | os.PathLike | None = None,
 
 
 def child_env() -> dict[str, str]:
-    """The manager's environment: ours, our packages importable, and a fresh
-    instance tag (in the real environment, so /proc/<pid>/environ shows it)."""
+    """The manager's environment: ours, with a fresh instance tag for its tree."""
     import secrets
 
-    from servectl.proc import INSTANCE_ENV, with_package_path
+    from servectl.proc import process_env
 
-    return with_package_path({**os.environ, INSTANCE_ENV: secrets.token_hex(8)})
+    return process_env(secrets.token_hex(8))
 
 
 def spawn_manager(cfg: C.Config, log_path: Path, extra: list[str] | None = None, detach: bool = True,

@@ -25,8 +25,11 @@ DEFAULT_MODEL_NAME = "default"
 # there must not configure a daemon).
 SYSTEM_CONFIG = Path("/etc/servectl/servectl.toml")
 CONFIG_ENV = "SERVECTL_CONFIG"
+# A model's name; it is also part of file and socket names (servectl/paths.py) and never
+# holds ":" (component names: servectl/wire/spawn.py).
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
 # \Z, not $: "$" also matches before a final newline, so "ok\n" would pass.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z"
+NAME_PATTERN = rf"^{MODEL_NAME}\Z"
 
 # An idle engine freezes its workers after this long (also what `servectl
 # freeze MODEL on` uses when the config turned freezing off with 0).

@@ -33,6 +33,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from servectl.config import MODEL_NAME
+
 SYSTEM_RUNTIME_DIR = Path("/run/servectl")
 SERVICE_USER = "servectl"  # the systemd unit's User=
 
@@ -303,7 +305,7 @@ def write_pidfile(fd: int, pid: int, instance: str) -> None:
     os.pwrite(fd, data, 0)
 
 
-_MODEL = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"  # servectl.config.NAME_PATTERN's body
+_MODEL = MODEL_NAME
 _STALE_SOCKETS = re.compile(rf"(control|control-ro|events|engine-{_MODEL}|worker-{_MODEL}-(0|[1-9][0-9]*))\Z")
 _STALE_FILES = re.compile(rf"dist-{_MODEL}-[0-9a-f]+\Z")
 _METRICS_FILE = re.compile(r"[a-z_]+_[0-9]+\.db\Z")  # prometheus_client's multiprocess files

@@ -68,6 +68,17 @@ def with_package_path(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def process_env(instance: str, extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a process of the tree (the manager, or one of its children): ours
+    without ``drop``, with ``extra``, the tree's instance tag (in the real environment, so
+    /proc/<pid>/environ shows it: kill_instance finds the tree by it) and our packages
+    importable first."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra or {})
+    env[INSTANCE_ENV] = instance
+    return with_package_path(env)
+
+
 # ---- /proc ---------------------------------------------------------------------------
 # The fields of /proc/<pid>/stat after the command name (which may hold spaces
 # and parentheses): [0] state, [1] ppid, ... (proc(5), counted from field 3).

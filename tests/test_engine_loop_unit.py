@@ -147,7 +147,7 @@ def test_a_request_vllm_refuses_halfway_is_dropped_from_vllm_and_answered(server
     assert server.engine.requests == {} and server.engine.aborted == ["r1"]
     assert server.sent == [P.RequestError(incarnation="inc", request_id="r1", status=400,
                                           message="invalid request: scheduler refused it")]
-    assert "r1" not in server.owner
+    assert "r1" not in server.requests
 
 
 def test_one_requests_output_failing_fails_that_request_only(server):
@@ -159,12 +159,12 @@ def test_one_requests_output_failing_fails_that_request_only(server):
     error, step = sorted(server.sent, key=lambda m: type(m).__name__)
     assert error.request_id == "bad" and error.status == 500 and "building this request's output" in error.message
     assert [d.request_id for d in step.deltas] == ["ok"]
-    assert server.engine.aborted == ["bad"] and set(server.owner) == {"ok"}
+    assert server.engine.aborted == ["bad"] and set(server.requests) == {"ok"}
     # The engine goes on: the next step serves the other request to its end.
     server.sent.clear()
     server.engine.outputs = [output("ok", 7, finished=True)]
     server._step()
-    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and server.owner == {}
+    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and server.requests == {}
 
 
 def test_a_step_that_raises_is_the_engines_state_unknown(server):
@@ -307,7 +307,7 @@ def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_mod
     server._step()
     assert server.engine.events == ["model starts", "processed r1", "sent r1:6", "model done",
                                     "processed r1", "sent r1:7"]
-    assert server.kept is None and server.owner == {}
+    assert server.kept is None and server.requests == {}
     assert (server.steps, server.overlapped_outputs) == (3, 2)
     assert ("3 step(s), the outputs of 2 processed while the next one ran, requests taken in during 0 model run(s)"
             == server.counters())
@@ -371,7 +371,7 @@ def test_a_non_streaming_requests_output_goes_first_token_at_once_then_merged(se
     assert step(output("whole", 3)) == []
     # ... until it finishes: one merged delta with everything held.
     assert step(output("whole", 4, finished=True)) == [("whole", [2, 3, 4])]
-    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and "whole" not in server.owner
+    assert [d.finish_reason for d in server.sent[0].deltas] == ["length"] and "whole" not in server.requests
     assert len(server.held) == 0
 
 

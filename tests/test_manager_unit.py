@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from manager.group import TRANSITIONS, BadTransition, EngineGroup, GroupState
 from manager.reload import plan_reload
 from servectl import config as C
 from servectl.wire import control as P
+from servectl.tasks import Tasks
 
 pytestmark = pytest.mark.unit
 S = GroupState
@@ -45,6 +47,7 @@ class HostDouble:
         self.runtime_dir = tmp
         self.log_dir = tmp
         self.standbys = StandbysDouble()
+        self.tasks = Tasks(logging.getLogger("test"))
         self.published: list[str] = []
         self.child_events: list[tuple[str, str]] = []
         self.sent: list = []

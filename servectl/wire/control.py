@@ -159,6 +159,11 @@ ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, G
                   StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
                   UnloadModel, WakeModel]
 
+# What the read-only socket (control-ro) takes, the questions that change nothing: the CLI
+# sends these there (a group-shared runtime directory's group may reach it), everything else
+# to the owner's control socket; the manager refuses anything else there.
+READ_ONLY = (StatusRequest, WaitSettled)
+
 
 # ---- manager → clients ---------------------------------------------------
 
