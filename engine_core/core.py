@@ -82,7 +82,8 @@ class EngineServer:
         return TokenizerEndpoints(self.builder)
 
     def __init__(self, spec: EngineSpec, engine, group, frontend: zmq.Socket, control: zmq.Socket,
-                 release_mode: IdleMode = IdleMode.UNLOAD, device_memory=lambda: None, halves: StepHalves | WholeStep | None = None):
+                 release_mode: IdleMode = IdleMode.UNLOAD, device_memory=lambda: None,
+                 halves: StepHalves | WholeStep | None = None):
         self.spec = spec
         self.engine = engine
         self.group = group
