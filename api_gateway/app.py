@@ -10,7 +10,6 @@ This module holds the HTTP side: handlers, middleware, lifecycle, ``main``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 import os
@@ -26,6 +25,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from api_gateway import openai_types as H
+from api_gateway.admin import AdminRoutes
 from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
                                 refused_by_engine, unavailable)
@@ -34,6 +34,7 @@ from api_gateway.logfields import escape
 from api_gateway.generate import Generator
 from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner
+from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
@@ -83,16 +84,17 @@ class Gateway:
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.keys = [k.encode() for k in self.cfg.api_keys]
+        self.keys = KeyRing(self.cfg.api_keys, self.cfg.admin_keys)
         self.manager.on_api_keys = self.set_api_keys
+        self.admin = AdminRoutes(self)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
         self.created = int(time.time())
 
-    def set_api_keys(self, keys: list[str]) -> None:
+    def set_api_keys(self, keys: MP.ApiKeys) -> None:
         """A reload rotated the keys: from the next request on, only these are accepted."""
-        self.keys = [k.encode() for k in keys]
-        log.info("API keys replaced (%d key(s))", len(keys))
+        self.keys = KeyRing(keys.keys, keys.admin_keys)
+        log.info("API keys replaced (%d API key(s), %d admin key(s))", len(keys.keys), len(keys.admin_keys))
 
     def new_request_id(self) -> str:
         # Unique across gateway processes: index, pid, random salt, counter.
@@ -117,7 +119,7 @@ class Gateway:
                 response = web.Response(status=204, headers=self.cors.preflight_headers(
                     origin, request.headers.get("Access-Control-Request-Headers")))
             else:
-                if self.keys and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
+                if not self.keys.api_open and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
                     self.check_auth(request)
                 response = await handler(request)
         except asyncio.CancelledError:
@@ -156,11 +158,7 @@ class Gateway:
         # Header values arrive decoded with surrogateescape: encode them back the same way,
         # so bytes that are not UTF-8 are just a wrong key.
         header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        token = header[7:] if header.startswith(b"Bearer ") else b""
-        ok = False
-        for key in self.keys:  # constant-time per key; every key is compared
-            ok |= hmac.compare_digest(token, key)
-        if not ok:
+        if self.keys.access(bearer_token(header)) is Access.NONE:  # an admin key is an API key too
             raise HttpError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
                             "authentication_error", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -343,6 +341,7 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        self.admin.add_to(app)
         return app
 
     async def run(self, listen_fd: int) -> int:

@@ -46,7 +46,7 @@ class ManagerLink:
         self.sub: zmq.asyncio.Socket | None = None
         self.control: zmq.asyncio.Socket | None = None
         self.component = ""  # ours in the manager's words (set by send_ready)
-        self.on_api_keys = lambda keys: None  # a reload rotated the API keys
+        self.on_api_keys = lambda keys: None  # a reload rotated the API or admin keys (MP.ApiKeys)
 
     def _new_link(self, model: str) -> EngineLink:
         link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode(), wake=self.wake)
@@ -100,7 +100,7 @@ class ManagerLink:
                             if m.step_deadline_s is not None:
                                 self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
                     elif isinstance(reply, MP.ApiKeys):
-                        self.on_api_keys(reply.keys)
+                        self.on_api_keys(reply)
                         await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
                                                                                  pid=os.getpid())))
 
@@ -137,6 +137,27 @@ class ManagerLink:
         """Tell the manager a model produced nothing and did not answer Stats: it restarts the group."""
         msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
         self.tasks.start(self._report(msg), f"report {link.model} hung")
+
+    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack:
+        """One request to the manager and its answer, on a connection of its own (as the CLI's),
+        so the answer cannot be confused with what the manager sends the gateway's own socket."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(RuntimePaths.ipc(self.paths.control))
+            # event-proof: the manager answers these at once; bounded so a stuck manager is a 503.
+            async with asyncio.timeout(timeout_s):
+                await sock.send(MP.encoder.encode(msg))
+                reply = MP.control_out_decoder.decode(await sock.recv())
+        finally:
+            sock.close()
+        if not isinstance(reply, (MP.StatusReply, MP.Ack)):
+            raise ValueError(f"unexpected answer {type(reply).__name__}")
+        return reply
+
+    def report(self, msg) -> None:
+        """A message for the manager that needs no answer (sent in the background, bounded)."""
+        self.tasks.start(self._report(MP.encoder.encode(msg)), f"report {type(msg).__name__}")
 
     async def _report(self, body: bytes) -> None:
         try:

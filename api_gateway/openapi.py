@@ -58,6 +58,41 @@ def spec() -> dict:
                                               "503": {"description": "some model not ready"}}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
             "/version": {"get": {"responses": {"200": {"description": "servectl version"}}}},
+            **admin_paths(error),
         },
-        "components": {"schemas": components},
+        "components": {"schemas": components,
+                       "securitySchemes": {"adminKey": {"type": "http", "scheme": "bearer",
+                                                        "description": "one of gateway.admin_keys"}}},
     }
+
+
+def admin_paths(error: dict) -> dict:
+    """The model-management routes (api_gateway/admin.py): they exist only with an admin key configured."""
+    name = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    refused = {"401": error, "403": error, "404": error, "409": error, "503": error}
+    done = {"description": "what the manager did: {model, action, done, message}", "content": {
+        "application/json": {"schema": {"type": "object", "properties": {
+            "model": {"type": "string"}, "action": {"type": "string"}, "done": {"type": "boolean"},
+            "message": {"type": "string"}}}}}}
+
+    def verb(summary: str, body: dict | None = None) -> dict:
+        op = {"summary": summary, "security": [{"adminKey": []}], "parameters": name,
+              "responses": {"200": done, **refused}}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        return {"post": op}
+
+    paths = {"/servectl/v1/models": {"get": {
+        "summary": "every configured model: state, devices, memory held, last used, requests, restarts "
+                   "(needs an admin key)",
+        "security": [{"adminKey": []}],
+        "responses": {"200": {"description": "{object: list, data: [model]}"}, "401": error, "403": error,
+                      "404": error, "503": error}}}}
+    for action, summary in (("load", "start a configured model that is not served"),
+                            ("unload", "drain and stop a model (it stays configured)"),
+                            ("restart", "a supervised restart of the model's engine group (requests resume)")):
+        paths[f"/servectl/v1/models/{{model}}/{action}"] = verb(summary)
+    paths["/servectl/v1/models/{model}/freeze"] = verb(
+        "turn freezing of the model's idle workers on or off",
+        {"type": "object", "required": ["enabled"], "properties": {"enabled": {"type": "boolean"}}})
+    return paths

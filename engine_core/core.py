@@ -230,7 +230,8 @@ class EngineServer:
                                       overlapped_steps=self.group.overlapped_steps,
                                       token_replies=self.group.token_replies,
                                       signed_replies=self.group.signed_replies,
-                                      rejected_frames=self.rejected, missing=missing))
+                                      rejected_frames=self.rejected, missing=missing,
+                                      last_worked_at=self.idle_since_wall))
 
     def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
         """Answered at once, between steps: tokenising needs no worker."""

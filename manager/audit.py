@@ -8,7 +8,10 @@ out or refused. Read-only commands (status, wait-settled) are not recorded.
 
 Who: the peer's uid, user name and pid, which the kernel vouches for
 (``SO_PEERCRED``, which libzmq reports as the ``Peer-Address`` of an ipc
-connection: ``…:uid:gid:pid``); a reload by SIGHUP says so instead. Model
+connection: ``…:uid:gid:pid``); a reload by SIGHUP says so instead. A
+command a gateway sends for an HTTP client (the management routes) also
+names that client: the admin key's fingerprint and the client's address
+(``via: "http"``); the gateway's refusals of such calls are recorded too. Model
 ``env`` values never reach the log (only their names): they may be tokens.
 """
 
@@ -29,7 +32,8 @@ from servectl.wire import control as P
 log = logging.getLogger("manager.audit")
 
 # Messages that start code or change state: owner only, and audited.
-CHANGING = (P.StopRequest, P.RestartRequest, P.ReloadRequest, P.LoadModel, P.UnloadModel, P.SetFreezing)
+CHANGING = (P.StopRequest, P.RestartRequest, P.ReloadRequest, P.LoadModel, P.LoadConfigured, P.UnloadModel,
+            P.SetFreezing)
 # What a member of a group-shared runtime directory's group may ask (the read-only socket).
 READ_ONLY = P.READ_ONLY
 REDACTED = "<redacted>"
@@ -76,6 +80,7 @@ def command_args(msg: msgspec.Struct) -> dict:
     """A message's fields for the log; a model's env values become ``<redacted>``. Pure."""
     args = msgspec.to_builtins(msg)
     args.pop("type", None)
+    args.pop("http", None)  # said as the record's who (audit_record)
     model = args.get("model")
     if isinstance(model, dict) and isinstance(model.get("env"), dict):
         model["env"] = dict.fromkeys(model["env"], REDACTED)
@@ -92,6 +97,11 @@ def audit_record(when: float, peer: Peer, msg: msgspec.Struct | str, outcome: st
     else:
         record["command"] = command_name(msg)
         record["args"] = command_args(msg)
+        http = getattr(msg, "http", None)
+        if isinstance(http, P.HttpCaller):
+            # Sent by a gateway for an HTTP client: the peer above is that gateway's process.
+            record.update(via="http", admin_key=http.key_id, client=http.address, gateway=http.gateway,
+                          route=http.route)
     record["outcome"] = outcome
     return record
 

@@ -90,7 +90,9 @@ class ControlServer:
             P.RestartRequest: self.on_restart,
             P.ReloadRequest: self.on_reload,
             P.LoadModel: self.on_load,
+            P.LoadConfigured: self.on_load_configured,
             P.UnloadModel: self.on_unload,
+            P.HttpRefused: self.on_http_refused,
             P.SetFreezing: self.on_set_freezing,
         }
 
@@ -261,6 +263,26 @@ class ControlServer:
         cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
         m.add_model(cfg.models[0])
         self.reply(caller, P.Ack(ok=True, message=f"loading {msg.model.name}"))
+
+    def on_load_configured(self, caller: Caller, msg: P.LoadConfigured) -> None:
+        m = self.manager
+        if msg.name in m.groups:
+            self.reply(caller, P.Ack(ok=False, message=f"model {msg.name!r} is already served"))
+            return
+        model = m.configured.get(msg.name)
+        if model is None:
+            self.reply(caller, P.Ack(ok=False, message=f"no configured model {msg.name!r}; configured: "
+                                                       f"{', '.join(m.configured) or 'none'}"))
+            return
+        m.add_model(model)
+        self.reply(caller, P.Ack(ok=True, message=f"loading {msg.name}"))
+
+    def on_http_refused(self, caller: Caller, msg: P.HttpRefused) -> None:
+        """A gateway's refusal of a management call: recorded, nothing else (no reply)."""
+        record = audit_record(time.time(), caller.peer, msg, "denied", caller.via)
+        record["args"] = {"status": msg.status, "reason": msg.reason,
+                          **({"suppressed": msg.suppressed} if msg.suppressed else {})}
+        self.audit.write(record)
 
     def on_unload(self, caller: Caller, msg: P.UnloadModel) -> None:
         if msg.name not in self.manager.groups:

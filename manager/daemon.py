@@ -83,6 +83,9 @@ class Manager:
         self.control = ControlServer(self, self.ctx)
         self.standbys = StandbyPool(self)
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
+        # The configuration's models (file and start options, as last loaded or reloaded): what
+        # `LoadConfigured` may start again once unloaded.
+        self.configured = {m.name: m for m in cfg.models}
         self.gateways = GatewayPool(self)
         self.done = asyncio.Event()
         # Gateways' prometheus multiprocess files: fresh for each manager (a dead
@@ -227,7 +230,8 @@ class Manager:
                 last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
                 exit_code=c.exit_code, exit_signal=c.exit_signal)
                 for c in children],
-            models=[self.model_status(g) for g in self.groups.values()])
+            models=[self.model_status(g) for g in self.groups.values()],
+            unloaded=[name for name in self.configured if name not in self.groups])
 
     def model_status(self, g: EngineGroup) -> P.ModelStatus:
         idle = g.idle_policy
@@ -237,7 +241,7 @@ class Manager:
             idle_since=g.idle_since, released_since=g.released_since,
             memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
             device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s,
-            step_deadline_s=g.step_deadline_s)
+            step_deadline_s=g.step_deadline_s, restarts=g.engine.restarts, devices=g.cfg.devices)
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:
@@ -303,6 +307,7 @@ class Manager:
         plan = plan_reload([g.cfg for g in self.groups.values()], self.gateway_cfg, new)
         log.info("reload: %s", plan.summary())
         self.settings = plan.manager
+        self.configured = {m.name: m for m in new.models}
         for name in plan.removed:
             await self.remove_model(name)
         for model in plan.added:

@@ -46,6 +46,11 @@ class GatewayHost(Protocol):
     async def wait_exit(self, children: list[Child], grace_s: float) -> None: ...
 
 
+def keys_of(cfg: C.GatewayConfig) -> P.ApiKeys:
+    """The keys a gateway with this [gateway] section checks (API keys, admin keys)."""
+    return P.ApiKeys(keys=list(cfg.api_keys), admin_keys=list(cfg.admin_keys))
+
+
 class GatewayProcess:
     def __init__(self, index: int, pool: "GatewayPool"):
         host = pool.host
@@ -59,8 +64,8 @@ class GatewayProcess:
         self.restart_timer: asyncio.TimerHandle | None = None
         self.peer = ""  # its identity on engines' sockets, for AbortPeer when it dies
         self.ready_waiters: list[asyncio.Future] = []
-        self.keys: list[str] = []  # the API keys it checks (its spec's, then what it confirmed)
-        self.keys_sent: list[str] | None = None  # sent, not yet confirmed
+        self.keys: P.ApiKeys | None = None  # the API and admin keys it checks (its spec's, then what it confirmed)
+        self.keys_sent: P.ApiKeys | None = None  # sent, not yet confirmed
         self.keys_waiters: list[asyncio.Future] = []
 
 
@@ -104,7 +109,7 @@ class GatewayPool:
         finally:
             os.close(spec)
         gw.peer = gateway_identity(gw.index, gw.child.pid)
-        gw.keys, gw.keys_sent = list(host.gateway_cfg.api_keys), None
+        gw.keys, gw.keys_sent = keys_of(host.gateway_cfg), None
         host.watch(gw.child)
 
     def on_ready(self, msg: P.ChildReady, index: int) -> None:
@@ -121,13 +126,13 @@ class GatewayPool:
     # ---- API keys: rotated in place, old ones refused at once -------------------------------
     def send_keys(self, gw: GatewayProcess) -> asyncio.Future | None:
         """Send a ready gateway the current keys if it checks others; the future resolves on its KeysApplied."""
-        keys = list(self.host.gateway_cfg.api_keys)
+        keys = keys_of(self.host.gateway_cfg)
         if gw.keys == keys or gw.child.state is not ChildState.READY:
             return None  # up to date, or it will be sent on ready (a gateway starting now gets them in its spec)
         fut = asyncio.get_running_loop().create_future()
         gw.keys_waiters.append(fut)
         gw.keys_sent = keys
-        self.host.send_to_gateway(gw.peer, P.ApiKeys(keys=keys))
+        self.host.send_to_gateway(gw.peer, keys)
         return fut
 
     def on_keys_applied(self, msg: P.KeysApplied, index: int) -> None:
@@ -194,7 +199,8 @@ class GatewayPool:
         # New keys hold in every running gateway before anything else: the old
         # ones are refused at once, not once each gateway's turn to restart comes.
         await self.rotate_keys()
-        if msgspec.structs.replace(old, api_keys=gateway.api_keys, api_key_file=gateway.api_key_file) == gateway:
+        if msgspec.structs.replace(old, api_keys=gateway.api_keys, api_key_file=gateway.api_key_file,
+                                   admin_keys=gateway.admin_keys, admin_key_file=gateway.admin_key_file) == gateway:
             return  # only the keys changed: nothing to restart
         for gw in list(self.members):
             await self.stop(gw, grace)

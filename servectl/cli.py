@@ -342,12 +342,15 @@ def reload(runtime_dir):
 @main.command()
 @runtime_option
 @click.argument("name")
-@click.option("--model", "path", required=True, help="Model directory (Hugging Face format).")
+@click.option("--model", "path", help="Model directory (Hugging Face format); without it, NAME is a model of "
+                                      "the configuration that was unloaded.")
 @click.option("--tensor-parallel-size", "--tp", "tp", type=int, default=1, show_default=True)
 @click.option("--devices", help="CUDA_VISIBLE_DEVICES for this model's workers.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="vLLM engine argument.")
 def load(runtime_dir, name, path, tp, devices, engine_args):
-    """Start serving another model at runtime (until the next reload)."""
+    """Start serving another model at runtime (until the next reload), or a configured one again."""
+    if path is None:
+        ack_or_exit(runtime_dir, P.LoadConfigured(name=name))
     try:
         model = msgspec.convert({"name": name, "model": path, "tensor_parallel_size": tp, "devices": devices,
                                  "engine_args": parse_engine_args(engine_args)}, C.ModelConfig)

@@ -75,6 +75,10 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_timeout_s: PositiveFloat = 60.0
     api_keys: list[str] = []
     api_key_file: str | None = None
+    # Keys for the model-management routes (/servectl/v1/...); also accepted wherever an API
+    # key is. None configured: those routes do not exist (404).
+    admin_keys: list[str] = []
+    admin_key_file: str | None = None
     # Host names answered besides localhost names and loopback IPs. Bound to a
     # loopback address, any other Host gets 421 (no DNS rebinding); bound
     # elsewhere the check applies only when this is set. ["*"]: no check.
@@ -253,20 +257,26 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
         raise ConfigError(f"config error{' in ' + str(path) if path else ''}: models: duplicate name(s) {sorted(dupes)}")
     for m in cfg.models:
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
-    if cfg.gateway.api_key_file:
+    gw = cfg.gateway
+    gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
+    gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)
+    return cfg
+
+
+def _keys(keys: list[str], key_file: str | None, kind: str, path: Path | None) -> list[str]:
+    """A [gateway] key list with its file's keys (one per whitespace-separated word) added, each checked."""
+    where = f" in {path}" if path else ""
+    if key_file:
         try:
-            keys = Path(cfg.gateway.api_key_file).read_text().split()
+            keys = list(dict.fromkeys([*keys, *Path(key_file).read_text().split()]))
         except OSError as exc:
-            where = f" in {path}" if path else ""
-            raise ConfigError(f"config error{where}: gateway.api_key_file: cannot read {cfg.gateway.api_key_file}: "
+            raise ConfigError(f"config error{where}: gateway.{kind}_key_file: cannot read {key_file}: "
                               f"{exc.strerror}") from None
-        cfg.gateway.api_keys = list(dict.fromkeys([*cfg.gateway.api_keys, *keys]))
-    for i, key in enumerate(cfg.gateway.api_keys):
+    for i, key in enumerate(keys):
         why = api_key_problem(key)
         if why:
-            where = f" in {path}" if path else ""
-            raise ConfigError(f"config error{where}: gateway.api_keys[{i}]: {why}")
-    return cfg
+            raise ConfigError(f"config error{where}: gateway.{kind}_keys[{i}]: {why}")
+    return keys
 
 
 def api_key_problem(key: str) -> str | None:
@@ -340,6 +350,7 @@ def redacted(cfg: Config) -> Config:
     """A copy to show (terminals, logs, CI output): API keys and a model's env values hidden, names kept."""
     out = msgspec.convert(msgspec.to_builtins(cfg), Config)
     out.gateway.api_keys = [REDACTED] * len(out.gateway.api_keys)
+    out.gateway.admin_keys = [REDACTED] * len(out.gateway.admin_keys)
     for m in out.models:
         m.env = dict.fromkeys(m.env, REDACTED)
     return out

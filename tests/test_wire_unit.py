@@ -37,6 +37,9 @@ def known_fields(cls, **values):
     return cls(**{k: v for k, v in values.items() if k in cls.__struct_fields__})
 
 
+HTTP = CP.HttpCaller(key_id="sha256:0123456789ab", address="127.0.0.1", gateway="gateway:0",
+                     route="POST /servectl/v1/models/m.1/restart")
+
 # Every field differs from its default in some sample, so omit_defaults hides nothing.
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
@@ -58,11 +61,16 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.StatusRequest: [CP.StatusRequest()],
     CP.WaitSettled: [CP.WaitSettled()],
     CP.StopRequest: [CP.StopRequest(), CP.StopRequest(timeout_s=2.5)],
-    CP.RestartRequest: [CP.RestartRequest(), CP.RestartRequest(model="m.1")],
-    CP.SetFreezing: [CP.SetFreezing(model="m.1", enabled=False)],
+    CP.RestartRequest: [CP.RestartRequest(), CP.RestartRequest(model="m.1", http=HTTP)],
+    CP.SetFreezing: [CP.SetFreezing(model="m.1", enabled=False), CP.SetFreezing(model="m.1", enabled=True, http=HTTP)],
     CP.ReloadRequest: [CP.ReloadRequest()],
     CP.LoadModel: [CP.LoadModel(model=MODEL)],
-    CP.UnloadModel: [CP.UnloadModel(name="m.1")],
+    CP.UnloadModel: [CP.UnloadModel(name="m.1"), CP.UnloadModel(name="m.1", http=HTTP)],
+    CP.LoadConfigured: [CP.LoadConfigured(name="m.1"), CP.LoadConfigured(name="m.1", http=HTTP)],
+    CP.HttpRefused: [CP.HttpRefused(http=CP.HttpCaller(key_id=None, address="::1", gateway="gateway:0"), status=401,
+                                    reason="no key"),
+                     CP.HttpRefused(http=HTTP, status=403, reason="an API key", suppressed=3)],
+    CP.HttpCaller: [HTTP, CP.HttpCaller(key_id=None, address="", gateway="gateway:1")],
     # control: manager → clients
     CP.ChildStatus: [CHILD, CP.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
                                            state="backoff", since=0.0, started_at=None, restarts=0,
@@ -71,15 +79,15 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                      known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
                                   memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
-                                  step_deadline_s=5.0)],
+                                  step_deadline_s=5.0, restarts=2, devices="0,1")],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
-                                                           incarnation="abc")])],
+                                                           incarnation="abc")], unloaded=["m.2"])],
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True)],
     # manager → whoever started it (JSON on the --report-fd pipe)
     CP.StartupFailed: [CP.StartupFailed(message="127.0.0.1:8000 is already in use", exit_code=1)],
-    CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"]), CP.ApiKeys(keys=[])],
+    CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"], admin_keys=["sk-admin"]), CP.ApiKeys(keys=[])],
     # control: manager → engine
     CP.AbortPeer: [CP.AbortPeer(peer="gw-0-123")],
     CP.FreezingControl: [CP.FreezingControl(enabled=True, grace_s=2.0), CP.FreezingControl(enabled=False)],
@@ -129,7 +137,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.TokenizerReply: [EP.TokenizerReply(incarnation="abc", request_id="t1", body={"count": 1, "tokens": [5]})],
     EP.MetricsReply: [EP.MetricsReply(incarnation="abc", text="vllm:num_requests_running{model_name=\"m.1\"} 1.0\n")],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
-                                 overlapped_steps=5, token_replies=7, signed_replies=3, missing=["r3"])],
+                                 overlapped_steps=5, token_replies=7, signed_replies=3, missing=["r3"],
+                                 last_worked_at=1.5)],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0),

@@ -125,8 +125,19 @@ class StopRequest(_Msg, tag="stop"):
     timeout_s: float | None = None
 
 
+class HttpCaller(msgspec.Struct, kw_only=True, frozen=True):
+    """Who sent a command over the gateway's HTTP management routes (the audit log's "who"
+    for those: the manager sees only the gateway process)."""
+
+    key_id: str | None  # the admin key's fingerprint (never the key); None: no valid key was sent
+    address: str  # the client's address as the gateway saw it
+    gateway: str  # the gateway's component name
+    route: str = ""  # the HTTP method and path
+
+
 class RestartRequest(_Msg, tag="restart"):
     model: str | None = None
+    http: HttpCaller | None = None
 
 
 class SetFreezing(_Msg, tag="set_freezing"):
@@ -134,6 +145,7 @@ class SetFreezing(_Msg, tag="set_freezing"):
 
     model: str
     enabled: bool
+    http: HttpCaller | None = None
 
 
 class ReloadRequest(_Msg, tag="reload"):
@@ -144,8 +156,26 @@ class LoadModel(_Msg, tag="load"):
     model: ModelConfig
 
 
+class LoadConfigured(_Msg, tag="load_configured"):
+    """Start serving a model of the configuration that is not served now (it was unloaded)."""
+
+    name: str
+    http: HttpCaller | None = None
+
+
 class UnloadModel(_Msg, tag="unload"):
     name: str
+    http: HttpCaller | None = None
+
+
+class HttpRefused(_Msg, tag="http_refused"):
+    """A gateway refused a management call (no key, or not an admin key): for the audit log only."""
+
+    http: HttpCaller
+    status: int
+    reason: str
+    # Refusals the gateway did not send on their own since its last one (a flood is summarised).
+    suppressed: int = 0
 
 
 class WakeModel(_Msg, tag="wake"):
@@ -157,7 +187,7 @@ class WakeModel(_Msg, tag="wake"):
 ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
                   StepDeadlineChanged, KeysApplied,
                   StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
-                  UnloadModel, WakeModel]
+                  LoadConfigured, UnloadModel, HttpRefused, WakeModel]
 
 # What the read-only socket (control-ro) takes, the questions that change nothing: the CLI
 # sends these there (a group-shared runtime directory's group may reach it), everything else
@@ -203,6 +233,9 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     device_memory_bytes: int | None = None
     # Per-model hold timeout for gateways (None: the gateway's).
     hold_timeout_s: float | None = None
+    # Restarts of the model's engine group (crashes, hangs, operators' restarts) since it was loaded.
+    restarts: int = 0
+    devices: str | None = None  # as configured (CUDA_VISIBLE_DEVICES for its workers)
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -216,6 +249,8 @@ class StatusReply(_Msg, tag="status_reply"):
     state_dir: str
     children: list[ChildStatus]
     models: list[ModelStatus]
+    # Models of the configuration that are not served now (unloaded); `LoadConfigured` starts one.
+    unloaded: list[str] = []
 
 
 class Ack(_Msg, tag="ack"):
@@ -229,6 +264,7 @@ class ApiKeys(_Msg, tag="api_keys"):
     Sent only on the control socket, which only the daemon's own user can reach."""
 
     keys: list[str]
+    admin_keys: list[str] = []
 
 
 ControlOut = Union[StatusReply, Ack, ApiKeys]

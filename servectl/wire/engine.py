@@ -171,6 +171,8 @@ class StatsReply(_Msg, tag="stats_reply"):
     signed_replies: int = 0
     # Those of the probe's request_ids the engine does not hold (never received, or finished).
     missing: list[str] = []
+    # When the engine last stepped (wall clock): its requests' last progress.
+    last_worked_at: float | None = None
 
 
 class MetricsReply(_Msg, tag="metrics_reply"):

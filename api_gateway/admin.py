@@ -1,0 +1,171 @@
+"""The model-management routes, ``/servectl/v1/``: list the configured models; load, unload,
+restart and freeze one — behind the admin keys (docs/api.md, "Managing models over HTTP").
+
+The verbs are the CLI's: each route sends the manager the control message
+`servectl load/unload/restart/freeze` sends, with who asked (the admin key's
+fingerprint, the client's address) for the audit log, and answers with what
+the manager said it did. Refusals (no key: 401, a key that is not an admin
+key: 403) are audited too, a flood of them summarised (``RefusalBudget``).
+With no admin key configured the routes do not exist: 404, as any unknown path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+from aiohttp import web
+
+from api_gateway.errors import HttpError
+from api_gateway.keys import Access, RefusalBudget, bearer_token, fingerprint
+from servectl.wire import control as MP
+
+if TYPE_CHECKING:
+    from api_gateway.app import Gateway
+
+log = logging.getLogger("api_gateway.admin")
+
+PREFIX = "/servectl/v1/"
+
+
+class FreezeBody(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool
+
+
+class AdminRoutes:
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
+        self.refusals = RefusalBudget()
+        self.timeout_s = 10.0  # for the manager's answer (it answers these at once)
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get(PREFIX + "models", self.models)
+        for verb in ("load", "unload", "restart", "freeze"):
+            app.router.add_post(PREFIX + "models/{model}/" + verb, getattr(self, verb))
+
+    # ---- who asks -----------------------------------------------------------------------
+    def caller(self, request: web.Request, key_id: str | None) -> MP.HttpCaller:
+        return MP.HttpCaller(key_id=key_id, address=request.remote or "", gateway=self.gw.manager.component,
+                             route=f"{request.method} {request.path}"[:300])
+
+    def check(self, request: web.Request) -> MP.HttpCaller:
+        """The caller of a management route with an admin key, or the HTTP error that refuses it."""
+        keys = self.gw.keys
+        if not keys.admin_enabled:
+            raise web.HTTPNotFound()  # no admin key configured: no such routes
+        header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        token = bearer_token(header)
+        access = keys.access(token)
+        if access is Access.ADMIN:
+            return self.caller(request, fingerprint(token))
+        if access is Access.API:
+            self.refused(request, fingerprint(token), 403, "an API key, not an admin key")
+            raise HttpError(403, "this route needs an admin key (gateway.admin_keys); an API key is not one",
+                            "permission_error", code="admin_key_required")
+        self.refused(request, None, 401, "no key" if not token else "not a configured key")
+        raise HttpError(401, "missing or invalid admin key (send `Authorization: Bearer <admin key>`)",
+                        "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def refused(self, request: web.Request, key_id: str | None, status: int, reason: str) -> None:
+        suppressed = self.refusals.take(time.monotonic())
+        if suppressed is None:
+            return
+        self.gw.manager.report(MP.HttpRefused(http=self.caller(request, key_id), status=status, reason=reason,
+                                              suppressed=suppressed))
+
+    # ---- the manager's answers -----------------------------------------------------------
+    async def ask(self, msg) -> MP.StatusReply | MP.Ack:
+        try:
+            return await self.gw.manager.ask(msg, self.timeout_s)
+        except (TimeoutError, zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            log.error("management call %s: no answer from the manager: %s", type(msg).__name__, exc)
+            raise HttpError(503, "the manager did not answer; try again", "service_unavailable",
+                            headers={"Retry-After": "1"}) from None
+
+    async def status(self) -> MP.StatusReply:
+        reply = await self.ask(MP.StatusRequest())
+        if not isinstance(reply, MP.StatusReply):
+            raise HttpError(503, f"the manager did not give its status: {reply.message}", "service_unavailable")
+        return reply
+
+    async def known(self, name: str) -> MP.StatusReply:
+        """The manager's status, once ``name`` is known to be one of its configured or served models."""
+        st = await self.status()
+        if name not in {m.name for m in st.models} and name not in st.unloaded:
+            names = sorted({m.name for m in st.models} | set(st.unloaded))
+            raise HttpError(404, f"model {name!r} not found; configured or served: {', '.join(names)}",
+                            param="model", code="model_not_found")
+        return st
+
+    @staticmethod
+    def answer(name: str, action: str, ack: MP.Ack | MP.StatusReply) -> web.Response:
+        if not isinstance(ack, MP.Ack):
+            raise HttpError(503, "the manager gave no answer to the command", "service_unavailable")
+        if not ack.ok:
+            raise HttpError(409, ack.message, code="not_done")
+        return web.json_response({"model": name, "action": action, "done": True, "message": ack.message})
+
+    # ---- routes ----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        self.check(request)
+        st = await self.status()
+        stats = await asyncio.gather(*(self.engine_stats(m.name) for m in st.models))
+        data = [self.model_entry(m, s) for m, s in zip(st.models, stats)]
+        data += [{"name": name, "state": "unloaded", "served": False} for name in st.unloaded]
+        return web.json_response({"object": "list", "data": data})
+
+    async def engine_stats(self, name: str):
+        link = self.gw.links.get(name)
+        return None if link is None else await link.stats()
+
+    def model_entry(self, m: MP.ModelStatus, stats) -> dict:
+        link = self.gw.links.get(m.name)
+        last_used = stats.last_worked_at if stats is not None and stats.last_worked_at is not None else m.idle_since
+        state = msgspec.to_builtins(m)["state"]  # the wire's word for it
+        return {
+            "name": m.name, "state": state, "served": True, "reason": m.reason, "devices": m.devices,
+            "memory_bytes": m.memory_bytes, "device_memory_bytes": m.device_memory_bytes,
+            "last_used": last_used, "idle_since": m.idle_since, "released_since": m.released_since,
+            # The engine's own count (every gateway's requests); None while no engine answers.
+            "requests_running": stats.unfinished if stats is not None else None,
+            # Held in this gateway for the model's readiness or beyond what its engine runs.
+            "requests_waiting": link.queued() if link is not None else 0,
+            "restarts": m.restarts, "frozen": m.frozen, "incarnation": m.incarnation,
+            "release_after_s": m.release_after_s, "release_mode": m.release_mode or None,
+            "step_deadline_s": m.step_deadline_s,
+        }
+
+    async def load(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        name = request.match_info["model"]
+        await self.known(name)
+        return self.answer(name, "load", await self.ask(MP.LoadConfigured(name=name, http=who)))
+
+    async def unload(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        name = request.match_info["model"]
+        await self.known(name)
+        return self.answer(name, "unload", await self.ask(MP.UnloadModel(name=name, http=who)))
+
+    async def restart(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        name = request.match_info["model"]
+        await self.known(name)
+        return self.answer(name, "restart", await self.ask(MP.RestartRequest(model=name, http=who)))
+
+    async def freeze(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        name = request.match_info["model"]
+        body = await request.read()
+        try:
+            enabled = msgspec.json.decode(body, type=FreezeBody).enabled
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise HttpError(400, f'send {{"enabled": true}} or {{"enabled": false}}: {exc}', param="enabled") \
+                from None
+        await self.known(name)
+        return self.answer(name, "freeze" if enabled else "thaw",
+                           await self.ask(MP.SetFreezing(model=name, enabled=enabled, http=who)))

@@ -1,0 +1,85 @@
+"""Pure: which key a request carries and what it may do with it (API keys, admin keys).
+
+An admin key is accepted wherever an API key is; only an admin key opens the
+management routes (``/servectl/v1/``). Every configured key is compared in
+constant time, whatever matched first. A key is named in logs and the audit
+log only by its fingerprint.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+
+
+class Access(enum.Enum):
+    NONE = "none"  # no key, or one that is not configured
+    API = "api"
+    ADMIN = "admin"
+
+
+def bearer_token(header: bytes) -> bytes:
+    """The token of an ``Authorization: Bearer <token>`` header; the scheme is case-insensitive
+    (RFC 9110 §11.1), so ``bearer`` works as clients send it. b"" when there is none."""
+    scheme, _, token = header.partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
+
+
+def fingerprint(key: str | bytes) -> str:
+    """A key's id for logs: the first 12 hex digits of its SHA-256 (never the key)."""
+    raw = key.encode() if isinstance(key, str) else key
+    return "sha256:" + hashlib.sha256(raw).hexdigest()[:12]
+
+
+class KeyRing:
+    """The API keys and admin keys a gateway checks now (a reload replaces them in place)."""
+
+    def __init__(self, api_keys: list[str], admin_keys: list[str]):
+        self.api = [k.encode() for k in api_keys]
+        self.admin = [k.encode() for k in admin_keys]
+
+    @property
+    def api_open(self) -> bool:
+        """No API key configured: the API needs none (as `vllm serve` without --api-key)."""
+        return not self.api
+
+    @property
+    def admin_enabled(self) -> bool:
+        return bool(self.admin)
+
+    def access(self, token: bytes) -> Access:
+        """What this token opens. Every key is compared, in constant time each."""
+        api = admin = False
+        for key in self.api:
+            api |= hmac.compare_digest(token, key)
+        for key in self.admin:
+            admin |= hmac.compare_digest(token, key)
+        if not token:
+            return Access.NONE
+        return Access.ADMIN if admin else Access.API if api else Access.NONE
+
+
+class RefusalBudget:
+    """How many refused management calls a gateway reports one by one: ``per_s`` a second,
+    bursts of ``burst``; the rest are counted and said with the next one reported, so a
+    flood of bad keys cannot fill the audit log. Pure (the caller gives the clock)."""
+
+    def __init__(self, per_s: float = 5.0, burst: int = 20):
+        self.per_s = per_s
+        self.burst = burst
+        self.tokens = float(burst)
+        self.at: float | None = None
+        self.suppressed = 0
+
+    def take(self, now: float) -> int | None:
+        """None: do not report this one (it is counted). Else the number suppressed before it."""
+        if self.at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        if self.tokens < 1:
+            self.suppressed += 1
+            return None
+        self.tokens -= 1
+        suppressed, self.suppressed = self.suppressed, 0
+        return suppressed
