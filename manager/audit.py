@@ -27,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 
+from servectl.paths import open_append
 from servectl.wire import control as P
 
 log = logging.getLogger("manager.audit")
@@ -37,6 +38,7 @@ CHANGING = (P.StopRequest, P.RestartRequest, P.ReloadRequest, P.LoadModel, P.Loa
 # What a member of a group-shared runtime directory's group may ask (the read-only socket).
 READ_ONLY = P.READ_ONLY
 REDACTED = "<redacted>"
+ROTATE_BYTES = 16 * 1024 * 1024  # as the components' logs (manager/logs.py)
 
 
 @dataclass(frozen=True)
@@ -76,15 +78,36 @@ def command_name(msg: msgspec.Struct) -> str:
     return msg.__struct_config__.tag or type(msg).__name__
 
 
+# What one audited argument may take of a line: a peer's 30 MiB string is its first
+# characters and its length, a long list its first items and its count.
+MAX_STRING = 512
+MAX_ITEMS = 64
+
+
+def bounded(value):
+    """``value`` with every string, list and dict cut to the bounds above, saying what was cut. Pure."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_STRING else f"{value[:MAX_STRING]}…({len(value)} characters)"
+    if isinstance(value, list):
+        items = [bounded(v) for v in value[:MAX_ITEMS]]
+        return items + [f"…({len(value)} items)"] if len(value) > MAX_ITEMS else items
+    if isinstance(value, dict):
+        out = {bounded(str(k)): bounded(v) for k, v in list(value.items())[:MAX_ITEMS]}
+        if len(value) > MAX_ITEMS:
+            out["…"] = f"({len(value)} keys)"
+        return out
+    return value
+
+
 def command_args(msg: msgspec.Struct) -> dict:
-    """A message's fields for the log; a model's env values become ``<redacted>``. Pure."""
+    """A message's fields for the log, bounded; a model's env values become ``<redacted>``. Pure."""
     args = msgspec.to_builtins(msg)
     args.pop("type", None)
     args.pop("http", None)  # said as the record's who (audit_record)
     model = args.get("model")
     if isinstance(model, dict) and isinstance(model.get("env"), dict):
         model["env"] = dict.fromkeys(model["env"], REDACTED)
-    return args
+    return bounded(args)
 
 
 def audit_record(when: float, peer: Peer, msg: msgspec.Struct | str, outcome: str, via: str = "control") -> dict:
@@ -111,21 +134,37 @@ def audit_line(record: dict) -> str:
 
 
 class AuditLog:
-    """Appends audit lines to a file (0640 inside the state directory; never through a symlink)."""
+    """Appends audit lines to a file (0640 inside the state directory; never through a symlink),
+    rotated to ``audit.log.1`` past ``rotate_bytes``. A write that fails (a full disk) is counted
+    and logged, never raised: the control loop that records a command must go on serving."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES):
         self.path = path
+        self.rotate_bytes = rotate_bytes
+        self.failures = 0  # lines that could not be written
 
     def write(self, record: dict) -> None:
         line = audit_line(record)
         log.info("audit: %s", line.rstrip())
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+            fd = open_append(self.path)
         except OSError as exc:
-            log.error("cannot write the audit log %s: %s", self.path, exc)
+            self.failed(exc)
             return
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.write(fd, line.encode())
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return
+            if st.st_size + len(line) > self.rotate_bytes:
+                os.replace(self.path, self.path.with_suffix(".log.1"))
+                os.close(fd)
+                fd = open_append(self.path)
+            os.write(fd, line.encode())
+        except OSError as exc:
+            self.failed(exc)
         finally:
             os.close(fd)
+
+    def failed(self, exc: OSError) -> None:
+        self.failures += 1
+        log.error("cannot write the audit log %s (%d line(s) lost so far): %s", self.path, self.failures, exc)

@@ -42,6 +42,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("manager")
 
 
+# Messages only the manager's own children send: accepted only from the very process
+# (by the kernel's pid of the connection) that may send each.
+FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused)
+FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged)
+FROM_CHILDREN = (*FROM_GATEWAYS, *FROM_ENGINES, P.ChildReady)
+# Nothing a peer sends the manager is near this big (a LoadModel is a few KiB): a larger
+# message closes that peer's connection before the manager holds it.
+MAX_MESSAGE_BYTES = 1 << 20
+
+
 class Caller(NamedTuple):
     """Where a request came from: the socket to answer on, the peer's identity there, who it is."""
 
@@ -70,6 +80,8 @@ class ControlServer:
         # The group's socket: no handover (its peers' names are theirs alone).
         self.ro = ctx.socket(zmq.ROUTER)
         self.ro.setsockopt(zmq.LINGER, 0)
+        for sock in (self.sock, self.ro):
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.owners = {os.geteuid(), 0}
         self.audit = AuditLog(manager.state_dir / "audit.log")
         self.settled_waiters: list[Caller] = []
@@ -127,7 +139,31 @@ class ControlServer:
                     f"(uid {os.geteuid()}) or root may send it (on the control socket)")
         if caller.peer.uid is not None and caller.peer.uid not in self.owners:
             return f"permission denied: uid {caller.peer.uid} is not the daemon's owner (uid {os.geteuid()}) or root"
+        if isinstance(msg, FROM_CHILDREN) and not self.sent_by_its_child(msg, caller.peer.pid):
+            return (f"permission denied: {type(msg).__name__} is accepted only from the child process "
+                    f"that may send it, and pid {caller.peer.pid} is not that child")
         return None
+
+    def sent_by_its_child(self, msg, pid: int | None) -> bool:
+        """Whether ``pid`` (the kernel's, SO_PEERCRED) is the child this message may come from:
+        a gateway for a gateway's report, that model's engine for an engine's, the component
+        named for a readiness. Any other process of the owner's uid could otherwise fake a hang
+        (the engine killed) or a readiness."""
+        if pid is None:
+            return False
+        m = self.manager
+        if isinstance(msg, FROM_GATEWAYS):
+            return pid in m.gateways.pids()
+        if isinstance(msg, P.ChildReady):
+            if msg.pid != pid:
+                return False
+            name = parse_component(msg.component)
+            if name is not None and name.kind == GATEWAY:
+                return pid in m.gateways.pids()
+            group = m.groups.get(name.model) if name is not None and name.kind == ENGINE else None
+            return group is not None and group.engine.pid == pid
+        group = m.groups.get(msg.model)
+        return group is not None and group.engine.pid == pid
 
     async def serve(self) -> None:
         await asyncio.gather(self._serve(self.sock, "control"), self._serve(self.ro, "control-ro"))
@@ -142,14 +178,15 @@ class ControlServer:
             try:
                 msg = P.control_in_decoder.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("rejected control frame from %r on %s: %s", caller.ident[:32], via, exc)
+                # repr, cut: the error quotes the sender's bytes, which must not forge log lines
+                log.warning("rejected control frame from %r on %s: %r", caller.ident[:32], via, str(exc)[:200])
                 self.reply(caller, P.Ack(ok=False, message=f"bad request: {exc}"))
                 continue
             why = self.refusal(caller, msg)
             if why is not None:
                 log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
                             caller.peer.pid, via)
-                if isinstance(msg, CHANGING) or via == "control-ro":
+                if isinstance(msg, (CHANGING, FROM_CHILDREN)) or via == "control-ro":
                     self.record(caller, msg, "denied")
                 self.reply(caller, P.Ack(ok=False, message=why))
                 continue

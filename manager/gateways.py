@@ -112,6 +112,10 @@ class GatewayPool:
         gw.keys, gw.keys_sent = keys_of(host.gateway_cfg), None
         host.watch(gw.child)
 
+    def pids(self) -> set[int]:
+        """The running gateways' pids (who may send a gateway's reports)."""
+        return {gw.child.pid for gw in self.members if gw.child.pid is not None}
+
     def on_ready(self, msg: P.ChildReady, index: int) -> None:
         if index >= len(self.members) or self.members[index].child.pid != msg.pid:
             return

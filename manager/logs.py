@@ -9,6 +9,7 @@ its own stderr prefixed with the component, where journald timestamps them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import deque
@@ -17,6 +18,7 @@ from pathlib import Path
 from servectl.paths import open_append
 
 ROTATE_BYTES = 16 * 1024 * 1024
+log = logging.getLogger("manager.logs")
 
 
 def journal_mode() -> bool:
@@ -33,6 +35,7 @@ class LogSink:
         self._partial = b""
         self._file = None
         self._size = 0
+        self.write_errors = 0
 
     def _open(self) -> None:
         self._file = os.fdopen(open_append(self.path), "ab", buffering=0)  # never through a symlink
@@ -52,15 +55,29 @@ class LogSink:
             sys.stderr.write("".join(f"{self.component}: {line}\n" for line in text))
             sys.stderr.flush()
             return
-        if self._file is None:
-            self._open()
         blob = b"\n".join(complete) + b"\n"
-        if self._size + len(blob) > self.rotate_bytes:
-            self._file.close()
-            os.replace(self.path, self.path.with_suffix(".log.1"))
-            self._open()
-        self._file.write(blob)
-        self._size += len(blob)
+        try:
+            if self._file is None:
+                self._open()
+            if self._size + len(blob) > self.rotate_bytes:
+                self._file.close()
+                self._file = None
+                os.replace(self.path, self.path.with_suffix(".log.1"))
+                self._open()
+            self._file.write(blob)
+            self._size += len(blob)
+        except OSError as exc:
+            # A full disk or a lost directory: the lines stay in memory (`servectl status`), the
+            # file is reopened with the next output, and the child's pipe is still drained.
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                log.error("cannot write %s (%d write(s) lost so far): %s", self.path, self.write_errors, exc)
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
 
     def close(self) -> None:
         if self._partial:

@@ -267,8 +267,19 @@ def prepare_dirs(root: Path, state_dir: Path | None = None) -> Path:
 
 
 def open_append(path: Path, mode: int = 0o640) -> int:
-    """Open a log for appending in a checked directory; never through a symlink planted at ``path``."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    """Open a log for appending in a checked directory; never through a symlink planted at ``path``.
+
+    The mode is set on the file itself, whatever the umask (the unit's is 0077): the runtime
+    directory's group may read the logs (docs/operations.md), which their 0750 directory decides."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure_private_dir(path: Path, mode: int = 0o700) -> Path:
