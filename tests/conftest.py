@@ -13,6 +13,7 @@ them); only the daemon fixtures start anything.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -428,6 +429,14 @@ def heavy_modules() -> list[str]:
 def pytest_collectreport(report):
     if not _heavy_since and heavy_modules():
         _heavy_since.append(f"collecting {report.nodeid}")
+
+
+def pytest_collection_finish(session):
+    """What collection built (every test module, their imports) lives for the session: frozen out
+    of the garbage collector, so a collection during a test, pytest's own at the end and the
+    interpreter's at exit scan only what tests made (the unit tier spent ~6 s at exit without it)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_runtest_teardown(item):
