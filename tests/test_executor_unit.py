@@ -184,7 +184,8 @@ def test_a_group_with_a_call_in_flight_is_never_frozen(ctx, tmp_path, doubles):
     pidfd = os.pidfd_open(proc.pid)
     events = []
     try:
-        g = make_group(ctx, tmp_path, pidfds=[pidfd])
+        # The double is a thread of this process, not the sleeper the pidfd names: no peer check.
+        g = make_group(ctx, tmp_path, pidfds=[pidfd], check_peers=False)
         g.on_freeze_change = events.append
         a = g.send("execute_model", (), None)
         assert g.freeze() is False and not g.frozen
@@ -201,6 +202,98 @@ def test_a_group_with_a_call_in_flight_is_never_frozen(ctx, tmp_path, doubles):
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+# ---- the peer of each worker connection is the worker the engine was handed (issue 39) -----------
+
+STRANGER = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1]); s.listen(64)
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    c.close()
+"""
+
+
+def start_stranger(path) -> subprocess.Popen:
+    """Another process of this uid listening at a worker's path (a relay would): not the worker."""
+    proc = subprocess.Popen([sys.executable, "-c", STRANGER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "listening"
+    return proc
+
+
+def test_a_connection_whose_peer_is_not_the_workers_process_is_refused_and_counted(ctx, tmp_path, caplog):
+    stranger = start_stranger(tmp_path / "w0")
+    me = os.pidfd_open(os.getpid())  # the worker the engine was handed: this process, not the stranger
+    try:
+        g = make_group(ctx, tmp_path, timeout=0.3, pidfds=[me])
+        with caplog.at_level("WARNING", logger="engine_core.executor"):
+            with pytest.raises(WorkerHung, match=rf"peer is pid {stranger.pid} .*not the worker's pid {os.getpid()}"):
+                g.send("execute_model", (), None)
+        assert g.refused_peers >= 2  # tried again until the call's deadline, each refusal counted
+        assert g.sockets == [None] and not g.outstanding  # nothing was sent to the stranger
+        refusals = [r for r in caplog.records if "refused the connection" in r.getMessage()]
+        assert len(refusals) == 1, "logged once per rank and pid, not per retry"
+        assert str(stranger.pid) in refusals[0].getMessage() and str(os.getpid()) in refusals[0].getMessage()
+        assert f"{g.refused_peers} connection(s) refused" in g.counters()
+    finally:
+        os.close(me)
+        stranger.kill()
+        stranger.wait()
+
+
+def test_the_worker_is_connected_once_the_stranger_at_its_path_is_gone(ctx, tmp_path, doubles):
+    path = tmp_path / "w0"
+    stranger = start_stranger(path)
+    me = os.pidfd_open(os.getpid())  # the double's thread is this process: the real worker here
+    workers = []
+
+    def retry_sleep(seconds: float) -> None:  # between two tries: the stranger goes, the worker comes
+        if g.refused_peers and not workers:
+            stranger.kill()
+            stranger.wait()
+            path.unlink()
+            workers.append(doubles("auto"))
+        time.sleep(seconds)
+
+    try:
+        g = make_group(ctx, tmp_path, timeout=10, pidfds=[me], sleep=retry_sleep)
+        assert g.send("execute_model", (7,), None).result() == [("done", "execute_model", (7,))]
+        assert g.refused_peers == 1 and workers
+    finally:
+        os.close(me)
+        stranger.kill()
+        stranger.wait()
+
+
+def test_the_workers_own_process_is_accepted(ctx, tmp_path, doubles):
+    doubles("auto")
+    me = os.pidfd_open(os.getpid())
+    try:
+        g = make_group(ctx, tmp_path, pidfds=[me])
+        assert g.call("execute_model", (1,), None) == [("done", "execute_model", (1,))]
+        assert g.refused_peers == 0
+    finally:
+        os.close(me)
+
+
+def test_a_pidfds_pid_is_read_from_its_fdinfo():
+    from engine_core.workers.link import pidfd_pid
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fd = os.pidfd_open(proc.pid)
+    try:
+        assert pidfd_pid(fd) == proc.pid
+        proc.kill()
+        proc.wait()
+        assert pidfd_pid(fd) is None  # exited: no pid to match a peer with
+        r, w = os.pipe()
+        assert pidfd_pid(r) is None  # not a pidfd
+        os.close(r), os.close(w)
+    finally:
+        os.close(fd)
 
 
 # ---- the real worker loop, with a stand-in model runner -----------------------------------------

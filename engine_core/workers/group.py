@@ -28,6 +28,13 @@ deadline is published (``on_deadline``). Past the deadline the group is
 hung: every outstanding call fails with ``WorkerHung`` and the engine exits
 so the manager restarts the group. Nothing waits while nothing is in flight.
 
+Peers. Each rank's connection is made to a path in the runtime directory, which any
+process of the owner's uid could have bound instead (a relay that rewrites the unsigned
+``TokensReply``). So the peer of every connection (``SO_PEERCRED``) must be the process
+behind that rank's pidfd, which the manager passed in; any other is refused (closed,
+counted in ``refused_peers``, logged once per rank and pid) and the connection tried
+again, as for a worker not listening yet, until the call's deadline.
+
 Freezing. Idle workers are frozen (SIGSTOP through pidfds the manager passed
 in) and thawed (SIGCONT) before the next call; a group with a call in flight
 is never frozen. See ../shared/DESIGN.md "Frozen when idle".
@@ -48,7 +55,8 @@ from typing import Any
 
 import zmq
 
-from engine_core.workers.link import FrameError, FrameReader, read_available, send_frames
+from engine_core.workers.link import (FrameError, FrameReader, peer_credentials, pidfd_pid, read_available,
+                                      send_frames)
 from engine_core.workers.pending_call import PendingCall
 from engine_core.workers.signing import BadSignature, Signer
 from engine_core.workers.spin import ENGINE_SPIN_ENV, spin_seconds
@@ -97,6 +105,10 @@ class WorkerGroup:
     # SERVECTL_ENGINE_SPIN_US (spin.py); 0 blocks at once.
     spin_s: float = field(default_factory=lambda: spin_seconds(ENGINE_SPIN_ENV))
     frozen: bool = False
+    # Connect only to the process behind each rank's pidfd (where one is given): SO_PEERCRED.
+    check_peers: bool = True
+    refused_peers: int = 0  # connections refused: their peer was not that rank's worker
+    _refusals_logged: set = field(default_factory=set)  # (rank, pid) already logged
     # The group's time (its deadlines, spins and step times) and its start-up retry's sleep:
     # the real ones; tests give a simulated clock (tests/hop_fixtures.py) so that no wait of
     # theirs is measured against the wall clock.
@@ -145,19 +157,41 @@ class WorkerGroup:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(path)
-                break
+                why = self._stranger(rank, sock)
+                if why is None:
+                    break
+                sock.close()
+                if self.clock() >= deadline:
+                    raise WorkerHung(f"worker rank {rank}: {why}")
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
                 if self.clock() >= deadline:
                     raise WorkerHung(f"worker rank {rank} is not listening on {path}: {exc}") from None
-                # Only before the group's first call reaches a worker that is still starting
-                # (it listens before importing vLLM), bounded by that call's deadline.
-                self.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
+            # Only before the group's first call reaches a worker that is still starting
+            # (it listens before importing vLLM), bounded by that call's deadline.
+            self.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
         self.sockets[rank] = sock
         self.rank_of[sock.fileno()] = rank
         self.poller.register(sock.fileno(), zmq.POLLIN)
         self.wake_poller.register(sock.fileno(), zmq.POLLIN)
         return sock
+
+    def _stranger(self, rank: int, sock: socket.socket) -> str | None:
+        """Why the peer of ``sock`` is not rank ``rank``'s worker, or None when it is (or no pidfd
+        was given for it to be checked against: the hop's unit tests' in-process doubles)."""
+        if not self.check_peers or rank >= len(self.pidfds):
+            return None
+        pid, uid, gid = peer_credentials(sock)
+        expected = pidfd_pid(self.pidfds[rank])
+        if expected is not None and pid == expected:
+            return None
+        self.refused_peers += 1
+        why = (f"refused the connection at {self.worker_paths[rank]}: its peer is pid {pid} (uid {uid}, gid {gid}), "
+               f"not the worker's pid {expected if expected is not None else '(exited)'}")
+        if (rank, pid) not in self._refusals_logged:
+            self._refusals_logged.add((rank, pid))
+            log.warning("worker rank %d: %s (%d refused so far); trying again", rank, why, self.refused_peers)
+        return why
 
     def _drop_rank(self, rank: int) -> None:
         sock = self.sockets[rank]
@@ -394,4 +428,5 @@ class WorkerGroup:
     def counters(self) -> str:
         return (f"{self.steps} step(s) sent, {self.overlapped_steps} sent before the previous reply arrived "
                 f"(async scheduling overlap), {self.dropped_replies} stray repl(ies) dropped, "
-                f"{self.token_replies} repl(ies) as sampled tokens, {self.signed_replies} as signed pickles")
+                f"{self.token_replies} repl(ies) as sampled tokens, {self.signed_replies} as signed pickles, "
+                f"{self.refused_peers} connection(s) refused (not the worker's process)")

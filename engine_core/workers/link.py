@@ -23,6 +23,10 @@ be a call (garbage, or a peer speaking something else): the reader raises
 stream can be trusted to be aligned after it. Other connections are not
 affected: each peer has its own stream.
 
+The engine connects to each worker's socket by its path; ``peer_credentials`` and
+``pidfd_pid`` let it check that the process listening there is the worker it was
+handed (by pidfd), not another process of the same uid at that path (group.py).
+
 No vLLM, no ZeroMQ here (tests/test_worker_link_unit.py).
 """
 
@@ -156,6 +160,29 @@ def send_frames(sock: socket.socket, frames: list[bytes], timeout: float | None 
     finally:
         if timeout is not None:
             sock.settimeout(None)
+
+
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket
+    (``SO_PEERCRED``: for a connecting end, the process that called ``listen``)."""
+    return PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+
+
+def pidfd_pid(fd: int) -> int | None:
+    """The pid of the process a pidfd refers to (the ``Pid:`` line of its fdinfo), or None
+    when it has exited (-1 there) or ``fd`` is not a pidfd."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def listen_private(path: Path, backlog: int = 16) -> socket.socket:
