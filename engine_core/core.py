@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,9 @@ class EngineServer:
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
+        # Tokenizer questions received and not answered yet, in arrival order (_answer_tokenizing).
+        self.tokenizing: deque[tuple[bytes, P.Tokenizer]] = deque()
+        self.tokenizer_answers = 0  # answered while requests ran: at most one per gap or model run
         self.outputs = OutputFormatter(self.tokenizer)
         self.held = HeldOutput()  # non-streaming requests' output, sent in a few messages (coalesce.py)
         self.rejected = 0
@@ -137,7 +140,7 @@ class EngineServer:
         in_flight = self.in_flight
         while True:
             busy = (self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
-                    or self.kept is not None)
+                    or self.kept is not None or bool(self.tokenizing))
             # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
             # transition (freeze, GroupIdle), or none at all once both have fired.
             timeout = 0 if busy else self._idle_timeout()
@@ -151,6 +154,8 @@ class EngineServer:
                 self._drain_control()
             if self.pending:
                 self._add_pending()
+            if self.tokenizing:
+                self._answer_tokenizing()
             if self.engine.has_unfinished_requests() or in_flight or self.kept is not None:
                 self._step()
                 self.idle_since = time.monotonic()
@@ -234,7 +239,21 @@ class EngineServer:
                                       last_worked_at=self.idle_since_wall))
 
     def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
-        """Answered at once, between steps: tokenising needs no worker."""
+        """Queued; answered by ``_answer_tokenizing`` (tokenising needs no worker)."""
+        self.tokenizing.append((peer, msg))
+
+    def _answer_tokenizing(self) -> None:
+        """Answer the queued tokenizer questions: all of them when nothing runs, else one per gap
+        between steps, so that questions arriving together cannot stall the steps of running
+        requests (each is bounded like a prompt: tokenizing.py)."""
+        if not (self.engine.has_unfinished_requests() or self.in_flight or self.kept is not None):
+            while self.tokenizing:
+                self._answer_tokenizer(*self.tokenizing.popleft())
+            return
+        self.tokenizer_answers += 1
+        self._answer_tokenizer(*self.tokenizing.popleft())
+
+    def _answer_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
         try:
             body = self.tokenizer_endpoints.answer(msg.kind, msg.body)
         except BadRequest as exc:
@@ -449,13 +468,19 @@ class EngineServer:
             if self.pending:
                 self.intake_while_waiting += 1
                 self._add_pending_until_reply()
+            # A tokenizer question at a time while the reply is not in (each wake of the wait), off
+            # the step's path; the rest between steps, one per gap.
+            if self.tokenizing and not self.group.reply_waiting():
+                self.tokenizer_answers += 1
+                self._answer_tokenizer(*self.tokenizing.popleft())
         except Exception as exc:  # raised once the step is through, as the loop's own would be
             self.intake_error = exc
             self.group.wake_on(None)  # the rest of the step's wait is woken by its reply alone
 
     def counters(self) -> str:
         return (f"{self.steps} step(s), the outputs of {self.overlapped_outputs} processed while the next one ran, "
-                f"requests taken in during {self.intake_while_waiting} model run(s)")
+                f"requests taken in during {self.intake_while_waiting} model run(s), "
+                f"{self.tokenizer_answers} tokenizer question(s) answered while requests ran")
 
     def _process_kept(self) -> None:
         """Process the kept core outputs (once: the group may call back again) and send the deltas."""

@@ -4,10 +4,20 @@
 ``ServingTokenization`` answers them: vLLM's request classes validate the body,
 the engine's renderer tokenises (with the chat template for ``messages``), and
 vLLM's response classes shape the answer.
+
+One difference, on purpose: vLLM's tokenize requests set no length limit
+(``max_total_tokens=None``), so a 4 MB prompt is tokenised in full, seconds of
+the engine's only thread. Here ``/tokenize`` is bounded as a prompt is
+(``bounded``): vLLM's own ``TokenizeParams`` with the model's context length,
+so its character cap refuses an over-long text before tokenising
+(``_text_len_check``: ``max_model_len × max_chars_per_token`` characters), the
+tokenizer stops at ``max_model_len + 1`` tokens, and a prompt past the context
+is refused with vLLM's message (``_token_len_check``), as a completion's is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine_core.requests import BadRequest, RequestBuilder, refusal
@@ -43,11 +53,11 @@ class TokenizerEndpoints:
             tokenize = is_mistral_tokenizer(self.renderer.tokenizer) or mc.enable_prompt_embeds
             chat_params = req.build_chat_params(None, "auto").with_defaults(
                 merge_kwargs(None, dict(tools=None, tokenize=tokenize)))
-            _, engine_inputs = self.renderer.render_chat([req.messages], chat_params, req.build_tok_params(mc))
+            _, engine_inputs = self.renderer.render_chat([req.messages], chat_params, bounded(req, mc))
         else:
             req = TokenizeCompletionRequest.model_validate(body)
             prompts = [parse_model_prompt(mc, p) for p in prompt_to_seq(req.prompt)]
-            engine_inputs = self.renderer.render_cmpl(prompts, req.build_tok_params(mc))
+            engine_inputs = self.renderer.render_cmpl(prompts, bounded(req, mc))
         ids: list[int] = []
         for engine_input in engine_inputs:
             ids.extend(extract_prompt_components(mc, engine_input).token_ids or ())
@@ -71,3 +81,11 @@ class TokenizerEndpoints:
         # vLLM adds the server's --chat-template (servectl has none) to the tokenizer's own config.
         info = TokenizerInfo(self.renderer.get_tokenizer(), None).to_dict()
         return TokenizerInfoResponse(**info).model_dump()
+
+
+def bounded(req, model_config):
+    """The request's own ``TokenizeParams`` with the limits vLLM puts on a prompt: the model's
+    context length (``CompletionRequest.build_tok_params``' ``max_total_tokens``, named
+    ``max_model_len`` in its messages), nothing reserved for output."""
+    return dataclasses.replace(req.build_tok_params(model_config), max_total_tokens=model_config.max_model_len,
+                               max_output_tokens=0, max_total_tokens_param="max_model_len")

@@ -309,8 +309,8 @@ def test_a_steps_outputs_are_processed_and_sent_while_the_next_step_runs_the_mod
                                     "processed r1", "sent r1:7"]
     assert server.kept is None and server.requests == {}
     assert (server.steps, server.overlapped_outputs) == (3, 2)
-    assert ("3 step(s), the outputs of 2 processed while the next one ran, requests taken in during 0 model run(s)"
-            == server.counters())
+    assert ("3 step(s), the outputs of 2 processed while the next one ran, requests taken in during 0 model run(s), "
+            "0 tokenizer question(s) answered while requests ran" == server.counters())
 
 
 def test_kept_outputs_go_out_when_the_next_step_runs_no_model(server):
@@ -394,3 +394,76 @@ def test_a_long_non_streaming_request_reaches_its_gateway_every_hold_time(server
     # Aborted: what was held is dropped with it.
     server._on_abort(PEER, P.Abort(request_ids=["whole"]))
     assert len(server.held) == 0
+
+
+# ---- tokenizer questions: bounded (tokenizing.py), and never a stall of the steps (issue 39) ----------
+
+def ask_tokenizer(server, rid: str) -> None:
+    server._on_tokenizer(PEER, P.Tokenizer(request_id=rid, kind="tokenize", body={"prompt": rid}))
+
+
+def answering(server):
+    answered = []
+    server.tokenizer_endpoints = SimpleNamespace(
+        answer=lambda kind, body: (answered.append(body["prompt"]), server.engine.events.append(
+            "tokenized " + body["prompt"]))[0] and {"count": 1})
+    return answered
+
+
+def test_tokenizer_questions_are_answered_all_at_once_only_when_nothing_runs(server):
+    answered = answering(server)
+    for i in range(3):
+        ask_tokenizer(server, f"t{i}")
+    assert not answered and len(server.tokenizing) == 3  # queued by the handler, not answered there
+    server._answer_tokenizing()
+    assert answered == ["t0", "t1", "t2"] and not server.tokenizing
+    assert [type(m) for m in server.sent] == [P.TokenizerReply] * 3
+    # While a request runs: one per gap between two steps.
+    generate(server, "r1")
+    server._add_pending()
+    for i in range(3, 6):
+        ask_tokenizer(server, f"t{i}")
+    server._answer_tokenizing()
+    assert answered[3:] == ["t3"] and len(server.tokenizing) == 2 and server.tokenizer_answers == 1
+
+
+def test_tokenizer_questions_while_the_model_runs_go_one_at_a_time_until_its_reply_is_in(server):
+    answered = answering(server)
+    generate(server, "r1")
+    server._add_pending()
+    server.halves.more = True
+    for i in range(3):
+        ask_tokenizer(server, f"t{i}")
+    calls = iter([False, True])
+
+    def model_runs():
+        server.group.while_waiting()  # no reply yet: one question answered
+        server.group.replies_in = next(calls)
+        server.group.while_waiting()  # (woken again) still none: another
+        server.group.replies_in = next(calls)
+        server.group.while_waiting()  # the reply is in: the step's turnaround comes first
+
+    server.engine.wait = model_runs
+    server.engine.outputs = [output("r1", 5)]
+    server.engine.events.clear()
+    server._step()
+    assert server.engine.events == ["model starts", "tokenized t0", "sent ", "tokenized t1", "sent ", "model done"]
+    assert answered == ["t0", "t1"] and len(server.tokenizing) == 1
+
+
+def test_a_tokenizer_question_queued_keeps_the_loop_from_blocking(server, monkeypatch):
+    """The loop's poll does not wait (timeout 0) while a question is queued."""
+    answering(server)
+    ask_tokenizer(server, "t0")
+    timeouts = []
+
+    def poll(timeout=None):
+        timeouts.append(timeout)
+        if len(timeouts) > 1:
+            raise StopIteration  # out of the loop after its second turn
+        return []
+
+    monkeypatch.setattr(server.poller, "poll", poll)
+    with pytest.raises(StopIteration):
+        server.run()
+    assert timeouts[0] == 0 and not server.tokenizing
