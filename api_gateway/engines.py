@@ -88,6 +88,9 @@ class EngineLink:
         self.admitted = 0  # sequences held or running in the engine, not finished
         self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
+        # Messages from the engine lifetime that answered our Hello: a probe that gets no answer
+        # while this moves (outputs, tokenizer answers) found the engine busy, not hung.
+        self.heard = 0
         self.metrics_waiters: list[asyncio.Future] = []
         # A send waits this long for the engine to take it (only a hung engine leaves its queue
         # full); Gateway sets it from the config.
@@ -226,6 +229,7 @@ class EngineLink:
         if isinstance(msg, EP.HelloReply):
             self._on_hello(msg, incarnation)
         elif msg.incarnation == self.incarnation:
+            self.heard += 1
             self.on_engine[type(msg)](msg)
 
     # ---- one handler per engine message (but HelloReply: _on_hello) -------------------

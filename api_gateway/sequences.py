@@ -182,12 +182,19 @@ class RequestRun:
         (never delivered, or dropped): it fails rather than waiting forever.
         """
         link = self.link
+        heard = link.heard
         reply = await link.stats(timeout, request_ids=list(remaining))
         if reply is None and link.output_timeout(self.cfg.output_timeout_s) > timeout:
             # The engine published a longer deadline meanwhile: a step it knows may be slow
             # (the first to need a sampler path vLLM compiles), so it is given that long.
             log.info("model %s: no output for %gs, but its engine expects a slow step: waiting on",
                      link.model, timeout)
+            return False
+        if reply is None and link.heard != heard:
+            # It answered other work meanwhile (other requests' outputs, tokenizer questions): a
+            # busy engine whose answer to Stats waits behind that work is not hung.
+            log.warning("model %s: no output for %gs and no answer to a probe yet, but its engine answers "
+                        "other work: busy, waiting on", link.model, timeout)
             return False
         if reply is None:
             log.error("model %s: no output for %gs and no answer to a probe: hung", link.model, timeout)
