@@ -137,6 +137,8 @@ class AdminRoutes:
             "restarts": m.restarts, "frozen": m.frozen, "incarnation": m.incarnation,
             "release_after_s": m.release_after_s, "release_mode": m.release_mode or None,
             "step_deadline_s": m.step_deadline_s,
+            "start_s": m.start_s,  # its longest start so far (a held request waits this out)
+            "config_id": m.config_id,  # what its outputs depend on, as a digest (a reload may change it)
         }
 
     async def load(self, request: web.Request) -> web.Response:

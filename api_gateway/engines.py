@@ -55,12 +55,17 @@ YIELD_EVERY = 32
 PROBE_MARGIN_S = 2.0
 
 
+# A held request waits out this multiple of the model's longest measured start.
+START_MARGIN = 1.5
+
 class EngineLink:
     def __init__(self, model: str, socket_path: str, ctx: zmq.asyncio.Context, identity: bytes,
                  wake: Callable[[str], None] = lambda model: None):
         self.model = model
         self.wake = wake  # asks the manager to bring a released model back (WakeModel)
         self.hold_timeout_s: float | None = None  # the model's own, else the gateway's
+        self.start_s: float | None = None  # the model's longest start, as the manager measured it
+        self.config_id = ""  # what the model's outputs depend on (servectl.config.output_identity)
         self.socket_path = socket_path
         self.ctx = ctx
         self.identity = identity
@@ -135,7 +140,8 @@ class EngineLink:
 
     # ---- following the manager --------------------------------------------------
     def on_model_state(self, state: ModelState, incarnation: str, reason: str | None,
-                       hold_timeout_s: float | None = None) -> None:
+                       hold_timeout_s: float | None = None, start_s: float | None = None,
+                       config_id: str = "") -> None:
         try:
             state = ModelState(state)
         except ValueError:
@@ -143,6 +149,10 @@ class EngineLink:
             return
         self.reason = reason or None
         self.hold_timeout_s = hold_timeout_s
+        if start_s is not None:
+            self.start_s = start_s
+        if config_id:
+            self.config_id = config_id
         if state is M.READY:
             if incarnation and incarnation == self.incarnation and self.sock is not None:
                 # The engine that answered our Hello serves again (woken from sleep); the same
@@ -295,8 +305,12 @@ class EngineLink:
 
     # ---- requests --------------------------------------------------------------
     def hold_s(self, default_s: float) -> float:
-        """How long a request may wait for this model: its own hold_timeout_s, else the gateway's."""
-        return self.hold_timeout_s or default_s
+        """How long a request may wait for this model: its own hold_timeout_s if configured; else
+        the gateway's, or longer where the model's measured start is (a cold start on a loaded
+        host may take more than the default; it is waited out, with a margin)."""
+        if self.hold_timeout_s:
+            return self.hold_timeout_s
+        return max(default_s, START_MARGIN * self.start_s) if self.start_s else default_s
 
     async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
         """Until the engine is ready (``sequences`` count as held meanwhile); FAILED, REMOVED

@@ -81,7 +81,8 @@ class ManagerLink:
                         continue
                     if ev.kind is EventKind.MODEL and ev.model:
                         # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
-                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s)
+                        self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s,
+                                            ev.start_s, ev.config_id)
                     elif ev.kind is EventKind.DEADLINE and ev.model:
                         if ev.step_deadline_s is not None:
                             self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
@@ -96,7 +97,8 @@ class ManagerLink:
                         continue
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
-                            self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s)
+                            self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s,
+                                                m.start_s, m.config_id)
                             if m.step_deadline_s is not None:
                                 self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
                     elif isinstance(reply, MP.ApiKeys):
@@ -105,7 +107,8 @@ class ManagerLink:
                                                                                  pid=os.getpid())))
 
     def on_model_event(self, model: str, state: ModelState, incarnation: str, reason: str | None,
-                       hold_timeout_s: float | None = None) -> None:
+                       hold_timeout_s: float | None = None, start_s: float | None = None,
+                       config_id: str = "") -> None:
         """Models come and go at runtime (`servectl load/unload/reload`)."""
         link = self.links.get(model)
         if state == ModelState.REMOVED:
@@ -115,7 +118,7 @@ class ManagerLink:
             return
         if link is None:
             link = self.links[model] = self._new_link(model)
-        link.on_model_state(state, incarnation, reason, hold_timeout_s)
+        link.on_model_state(state, incarnation, reason, hold_timeout_s, start_s, config_id)
 
     def on_deadline(self, model: str, seconds: float, incarnation: str = "") -> None:
         """An engine published its step deadline: its link finds hangs by it, /metrics shows it."""

@@ -10,9 +10,11 @@ A crash costs latency, not errors: when the engine goes away mid-request
 (a crash, a hang the group was restarted for), the request waits for the next
 incarnation, at most ``hold_timeout_s`` from the moment it learned of it, and
 each unfinished choice goes on there (``resume.plan``): the same response, the
-next token, nothing repeated or missing. A model that failed, a choice vLLM
-cannot continue exactly that the client has seen part of, or more than
-``MAX_RESTARTS`` restarts in one request end it with today's errors.
+next token, nothing repeated or missing. The wait covers the model's longest
+measured start (``EngineLink.hold_s``). A model that failed, one a reload
+changed (``config_id``: its tokens would go on another model's answer), a
+choice vLLM cannot continue exactly that the client has seen part of, or more
+than ``MAX_RESTARTS`` restarts in one request end it with today's errors.
 
 Nothing waits without a deadline: sends are bounded (``EngineLink.submit``),
 the wait for the engine by the hold timeout, output by the engine's step
@@ -78,6 +80,7 @@ class RequestRun:
         """Yield (prompt index, Delta) for every prompt's request until every choice finished."""
         link = self.link
         batch = [(pi, g, f) for pi, (g, f) in enumerate(zip(self.gens, self.frames))]
+        began_on = link.config_id  # admitted once the link is ready: the model it runs on
         while True:
             try:
                 async for item in self._run(batch):
@@ -95,6 +98,12 @@ class RequestRun:
                 await link.wait_ready(deadline - time.monotonic())
             except EngineUnavailable as exc:  # past the hold timeout, failed, unloaded
                 raise unavailable(exc) from None
+            if began_on and link.config_id != began_on:
+                # A reload changed the model (weights, engine arguments, ...): its tokens would
+                # go on another model's answer. Ended, never resumed there.
+                raise unavailable(EngineUnavailable(
+                    f"model {link.model!r} was replaced by a changed configuration (a reload) while this "
+                    "request ran; it cannot go on on the new one: send it again", retry_after=1))
             try:
                 sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart)
             except CannotContinue as exc:

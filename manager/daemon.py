@@ -188,7 +188,8 @@ class Manager:
     def on_group_change(self, group: EngineGroup) -> None:
         self.publish(P.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
                              pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
-                             detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s))
+                             detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
+                             start_s=group.start_s, config_id=group.config_id))
         notify(f"STATUS=model {group.name}: {group.state}")
         self.check_settled()
 
@@ -241,7 +242,8 @@ class Manager:
             idle_since=g.idle_since, released_since=g.released_since,
             memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
             device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s,
-            step_deadline_s=g.step_deadline_s, restarts=g.engine.restarts, devices=g.cfg.devices)
+            step_deadline_s=g.step_deadline_s, restarts=g.engine.restarts, devices=g.cfg.devices,
+            start_s=g.start_s, config_id=g.config_id)
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:

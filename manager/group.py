@@ -127,6 +127,11 @@ class EngineGroup:
         self.released_since: float | None = None
         self.device_memory_bytes: int | None = None  # as the engine last reported
         self.wake_wanted = False  # a gateway asked while the release was under way
+        # The longest start (launch to ready) seen, and when the one under way began: a held
+        # request's wait covers a start as long (the gateways' EngineLink.hold_s).
+        self.start_s: float | None = None
+        self.start_began: float | None = None
+        self.config_id = C.output_identity(cfg)
         self.exited_from: GroupState | None = None  # the state a member's death interrupted
         self.stopping: asyncio.Future | None = None  # the stop under way, if any (done when over)
 
@@ -194,6 +199,7 @@ class EngineGroup:
         self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
         self.step_deadline_s = None  # a new engine lifetime is cold until it publishes its own
+        self.start_began = time.monotonic()
         key = secrets.token_bytes(32)
         root = str(self.host.runtime_dir)
         engine_env, worker_envs = self.member_envs()
@@ -250,6 +256,9 @@ class EngineGroup:
                             "platform); an idle model is unloaded instead", self.name, str(self.release_mode))
             self.release_mode = mode
         self.device_memory_bytes = msg.device_memory_bytes
+        if self.start_began is not None:
+            took, self.start_began = time.monotonic() - self.start_began, None
+            self.start_s = max(self.start_s or 0.0, took)
         self._enter(S.READY)
         self.host.standbys.refill(self)
 

@@ -279,6 +279,20 @@ def _keys(keys: list[str], key_file: str | None, kind: str, path: Path | None) -
     return keys
 
 
+def output_identity(model: ModelConfig) -> str:
+    """What a model's outputs depend on — its weights' path, engine arguments, environment,
+    generation defaults, tensor parallelism, chat-template trust — as a short digest: a request
+    that began on one never goes on on another (api_gateway/sequences.py). Idle release, holds,
+    devices and autostart change no output and are left out."""
+    import hashlib
+
+    terms = {"model": model.model, "engine_args": model.engine_args, "env": model.env,
+             "override_generation_config": model.override_generation_config,
+             "tensor_parallel_size": model.tensor_parallel_size,
+             "trust_request_chat_template": model.trust_request_chat_template}
+    return hashlib.sha256(msgspec.json.encode(terms, order="sorted")).hexdigest()[:16]
+
+
 def api_key_problem(key: str) -> str | None:
     """Why a configured API key cannot be one, or None. An empty key would turn authentication off
     for anyone who sends an empty bearer token; a key with spaces or control characters cannot be sent."""

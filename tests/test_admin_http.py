@@ -11,6 +11,8 @@ without one.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -25,9 +27,11 @@ ADMIN2 = "sk-admin-rotated"
 MODELS = "/servectl/v1/models"
 
 
-def config(admin: str) -> str:
+def config(admin: str, model: str = "") -> str:
+    # drain_timeout_s: a reload's replacement stops the old engine under a long stream
     return (f'[gateway]\napi_keys = ["{API}"]\nadmin_keys = ["{admin}"]\nhold_timeout_s = 120\n'
-            "[manager]\nfreeze_grace_s = 1.0\nwarm_standby = false\nbackoff_initial_s = 0.3\n")
+            "[manager]\nfreeze_grace_s = 1.0\nwarm_standby = false\nbackoff_initial_s = 0.3\n"
+            f"drain_timeout_s = 1\nstop_grace_s = 2\n{model}")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,7 @@ def test_the_list_says_what_each_model_holds(d):
     assert m["requests_running"] == 0 and m["requests_waiting"] == 0
     assert m["restarts"] >= 0 and m["incarnation"]
     assert time.time() - 600 < m["last_used"] <= time.time() + 1
+    assert 0 < m["start_s"] < 600  # its cold start, as the manager measured it
     assert {"devices", "device_memory_bytes", "idle_since", "released_since", "frozen", "reason"} <= set(m)
 
 
@@ -130,10 +135,11 @@ def test_the_cli_loads_a_configured_model_by_its_name(d):
 
 
 class Stream(threading.Thread):
-    def __init__(self, d, i: int):
+    def __init__(self, d, i: int, max_tokens: int = 400):
         super().__init__(daemon=True)
         self.client = d.openai(timeout=300)
         self.i = i
+        self.max_tokens = max_tokens
         self.chunks = 0
         self.usage = None
         self.error: BaseException | None = None
@@ -142,7 +148,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             stream = self.client.completions.create(
-                model="default", prompt=f"def f{self.i}(", max_tokens=400, temperature=0, stream=True,
+                model="default", prompt=f"def f{self.i}(", max_tokens=self.max_tokens, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].text:
@@ -207,6 +213,32 @@ def test_a_reload_rotates_the_admin_key_without_restarting_the_gateway(d):
     assert completion(d).status == 200  # the API key is unchanged
     d.config_path.write_text(config(ADMIN))
     assert d.cli("reload").returncode == 0
+
+
+def test_a_stream_is_never_resumed_onto_a_model_a_reload_changed(d):
+    from servectl.config import DEFAULT_MODEL_DIR
+
+    before = entry(d)
+    changed = f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\nengine_args = {{ max_num_seqs = 32 }}\n'
+    stream = Stream(d, 9, max_tokens=500)
+    stream.start()
+    assert stream.started.wait(120)
+    # The stream cannot finish on the old engine, whatever this machine's speed: its worker is
+    # stopped, so the drain times out and the old group is killed under it.
+    os.kill(d.child("worker:default:0").pid, signal.SIGSTOP)
+    d.config_path.write_text(config(ADMIN, changed))
+    r = d.cli("reload")
+    assert r.returncode == 0, r.stdout + r.stderr
+    stream.join(300)
+    assert stream.error is not None and "changed configuration" in str(stream.error), \
+        (stream.error, stream.usage, stream.chunks, r.stdout, d.log_tails("manager"))
+    assert stream.usage is None  # it ended there: no other model's tokens after the change
+    after = entry(d)
+    assert after["config_id"] != before["config_id"] and len(after["config_id"]) == 16
+    assert completion(d).status == 200  # the new model serves
+    d.config_path.write_text(config(ADMIN))
+    assert d.cli("reload").returncode == 0
+    wait_for(lambda: entry(d)["state"] == "ready", 180, what="ready again after the reload")
 
 
 def test_without_an_admin_key_the_routes_do_not_exist(daemon):

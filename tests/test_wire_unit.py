@@ -79,7 +79,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                      known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
                                   memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
-                                  step_deadline_s=5.0, restarts=2, devices="0,1")],
+                                  step_deadline_s=5.0, restarts=2, devices="0,1", start_s=9.5,
+                                  config_id="fedcba9876543210")],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
@@ -98,7 +99,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
                known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
-                            time=3.0, hold_timeout_s=300.0),
+                            time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef"),
                known_fields(CP.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
                             pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine

@@ -235,6 +235,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     hold_timeout_s: float | None = None
     # Restarts of the model's engine group (crashes, hangs, operators' restarts) since it was loaded.
     restarts: int = 0
+    start_s: float | None = None  # as in its Event
+    config_id: str = ""
     devices: str | None = None  # as configured (CUDA_VISIBLE_DEVICES for its workers)
 
 
@@ -327,6 +329,10 @@ class Event(msgspec.Struct, kw_only=True):
     restarts: int = 0
     # Model events: the model's own hold timeout for gateways (None: the gateway's).
     hold_timeout_s: float | None = None
+    # Model events: the longest start of the model measured so far (a held request's wait
+    # covers it), and what its outputs depend on (a request never resumes across a change).
+    start_s: float | None = None
+    config_id: str = ""
     # DEADLINE events: the engine's published step deadline.
     step_deadline_s: float | None = None
 
