@@ -33,7 +33,7 @@ from api_gateway.bodies import read_body
 from api_gateway.logfields import escape
 from api_gateway.generate import Generator
 from api_gateway.http_policy import CorsPolicy, HostPolicy
-from api_gateway.http_server import make_runner
+from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
@@ -43,7 +43,7 @@ from servectl.paths import RuntimePaths
 from servectl.wire import control as MP
 from servectl.wire import engine as EP
 from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity, read_spec_fd
-from servectl.wire.vocab import ModelState
+from servectl.wire.vocab import ExitCode, ModelState
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
@@ -90,6 +90,19 @@ class Gateway:
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
         self.created = int(time.time())
+        # Set by SIGTERM/SIGINT, or when a long-lived task died past its restarts (task_died).
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self.manager.on_task_died = self.task_died
+
+    def task_died(self, name: str, exc: BaseException) -> None:
+        """A long-lived task (following the manager, reading an engine) kept failing: this
+        gateway cannot serve, so it drains what it has and exits TASK_DIED; the manager's
+        supervision starts another in its place."""
+        log.critical("task %r died (%s: %s): this gateway exits %d and the manager replaces it", name,
+                     type(exc).__name__, str(exc)[:200], ExitCode.TASK_DIED)
+        self.exit_code = int(ExitCode.TASK_DIED)
+        self.stop.set()
 
     def set_api_keys(self, keys: MP.ApiKeys) -> None:
         """A reload rotated the keys: from the next request on, only these are accepted."""
@@ -346,11 +359,15 @@ class Gateway:
 
     async def run(self, listen_fd: int) -> int:
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self.stop
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
+        raise_fd_limit()
         self.manager.connect()
-        follower = loop.create_task(self.manager.follow())
+        # Restarted, not fatal at once: each start asks the manager for a snapshot again, so
+        # whatever the failed run missed is caught up; a failure that keeps coming back (no
+        # descriptors left) ends the gateway, which the manager replaces.
+        follower = self.manager.tasks.keep(self.manager.follow, "follow the manager", give_up=self.task_died)
         sock = socket.socket(fileno=listen_fd)
         runner = make_runner(self.build_app(), self.cfg)
         await runner.setup()
@@ -370,7 +387,7 @@ class Gateway:
         await runner.cleanup()
         follower.cancel()
         self.ctx.destroy(linger=0)
-        return 0
+        return self.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

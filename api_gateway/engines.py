@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
 from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, WORDS, LinkState
+from servectl.tasks import Tasks
 from servectl.wire import engine as EP
 from servectl.wire.vocab import ModelState
 
@@ -55,13 +56,23 @@ YIELD_EVERY = 32
 PROBE_MARGIN_S = 2.0
 
 
+# The largest message a gateway takes from an engine: a step's output for many requests with
+# prompt logprobs, a tokenizer's answer to a long prompt, vLLM's metrics text. Generous, so only
+# abuse reaches it; a larger one closes that connection (ZMQ_MAXMSGSIZE) before it is held.
+MAX_ENGINE_MESSAGE_BYTES = 256 << 20
+
 # A held request waits out this multiple of the model's longest measured start.
 START_MARGIN = 1.5
 
 class EngineLink:
     def __init__(self, model: str, socket_path: str, ctx: zmq.asyncio.Context, identity: bytes,
-                 wake: Callable[[str], None] = lambda model: None):
+                 wake: Callable[[str], None] = lambda model: None,
+                 task_died: Callable[[str, BaseException], None] | None = None):
         self.model = model
+        # The reader's owner: it restarts a reader that raised, and past its restarts calls
+        # task_died (the gateway exits TASK_DIED and the manager replaces it).
+        self.tasks = Tasks(log)
+        self.task_died = task_died or (lambda name, exc: None)
         self.wake = wake  # asks the manager to bring a released model back (WakeModel)
         self.hold_timeout_s: float | None = None  # the model's own, else the gateway's
         self.start_s: float | None = None  # the model's longest start, as the manager measured it
@@ -190,6 +201,7 @@ class EngineLink:
         sock.setsockopt(zmq.IDENTITY, self.identity)
         # Never queue frames for a peer that is not connected (../shared/DESIGN.md).
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_MESSAGE_BYTES)
         if self.sndhwm is not None:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.connect(f"ipc://{self.socket_path}")
@@ -197,7 +209,11 @@ class EngineLink:
         self.gone = asyncio.Event()
         self.step_deadline_s = None  # a new engine lifetime publishes its own once warm
         self.connecting_to = incarnation
-        self.reader = asyncio.get_running_loop().create_task(self._handshake_then_read(sock, incarnation))
+        # Restarted on the same socket when it raises (a handler's bug, a frame it could not
+        # take): the other requests go on, and one whose output was lost with the failing frame
+        # is found by its probe (Stats). Failing again and again, it ends the gateway instead.
+        self.reader = self.tasks.keep(lambda: self._handshake_then_read(sock, incarnation),
+                                      f"read engine {self.model}", give_up=self.task_died)
 
     def _disconnect(self, why: str) -> None:
         """Close the socket and fail every request in flight on it (the state is the caller's)."""
@@ -223,7 +239,8 @@ class EngineLink:
                 fut.set_exception(EngineUnavailable(why, retry_after=5))
 
     async def _handshake_then_read(self, sock: zmq.asyncio.Socket, incarnation: str) -> None:
-        await sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
+        if not self.incarnation:  # not answered yet (a restarted reader of an answered one reads on)
+            await sock.send(EP.encoder.encode(EP.Hello(version=EP.PROTOCOL_VERSION)))
         while True:
             body = await sock.recv()
             try:

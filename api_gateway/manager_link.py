@@ -23,9 +23,22 @@ from api_gateway.metrics import Metrics
 from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
 from servectl.wire import control as MP
-from servectl.wire.vocab import EventKind, ModelState
+from servectl.wire.vocab import EventKind, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway.manager_link")
+
+# The largest message the gateway takes from the manager (events, a status snapshot with many
+# children and their last log lines, an answer): generous, so that only abuse reaches it; a
+# larger one closes that connection (ZMQ_MAXMSGSIZE) before the gateway holds it.
+MAX_MANAGER_MESSAGE_BYTES = 64 << 20
+
+
+def exit_task_died(name: str, exc: BaseException) -> None:
+    """Until a gateway says otherwise: a long-lived task that kept failing ends the process
+    (TASK_DIED), so the manager replaces it instead of leaving it serving nothing."""
+    log.critical("task %r died: %r; exiting %d", name, exc, ExitCode.TASK_DIED)
+    logging.shutdown()
+    os._exit(ExitCode.TASK_DIED)
 
 
 class ManagerLink:
@@ -41,6 +54,9 @@ class ManagerLink:
         # multiprocess sum of the counter is the number of restarts.
         self.count_restarts = count_restarts
         self.send_timeout_s = send_timeout_s
+        # Called when a long-lived task (follow, an engine link's reader) failed past its
+        # restarts: the gateway's Gateway.task_died (drain, exit TASK_DIED).
+        self.on_task_died = exit_task_died
         self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
         self.tasks = Tasks(log)  # reports sent in the background (WakeModel, GroupHung)
         self.sub: zmq.asyncio.Socket | None = None
@@ -49,7 +65,8 @@ class ManagerLink:
         self.on_api_keys = lambda keys: None  # a reload rotated the API or admin keys (MP.ApiKeys)
 
     def _new_link(self, model: str) -> EngineLink:
-        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode(), wake=self.wake)
+        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode(), wake=self.wake,
+                          task_died=lambda name, exc: self.on_task_died(name, exc))
         link.send_timeout_s = self.send_timeout_s
         return link
 
@@ -57,10 +74,12 @@ class ManagerLink:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_MANAGER_MESSAGE_BYTES)
         self.sub.connect(RuntimePaths.ipc(self.paths.events))
         self.control = self.ctx.socket(zmq.DEALER)
         self.control.setsockopt(zmq.LINGER, 1000)
         self.control.setsockopt(zmq.IDENTITY, self.identity.encode())
+        self.control.setsockopt(zmq.MAXMSGSIZE, MAX_MANAGER_MESSAGE_BYTES)
         self.control.connect(RuntimePaths.ipc(self.paths.control))
 
     async def follow(self) -> None:
@@ -146,6 +165,7 @@ class ManagerLink:
         so the answer cannot be confused with what the manager sends the gateway's own socket."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANAGER_MESSAGE_BYTES)
         try:
             sock.connect(RuntimePaths.ipc(self.paths.control))
             # event-proof: the manager answers these at once; bounded so a stuck manager is a 503.

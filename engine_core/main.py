@@ -35,7 +35,7 @@ from servectl.messages import one_line
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire import control as MP
-from servectl.wire.spawn import EngineSpec, engine_identity, read_spec_fd
+from servectl.wire.spawn import EngineSpec, engine_identity, engine_max_message_bytes, read_spec_fd
 from servectl.wire.vocab import ExitCode
 
 log = logging.getLogger("engine_core")
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     control = ctx.socket(zmq.DEALER)
     control.setsockopt(zmq.IDENTITY, engine_identity(spec.model.name))
     control.setsockopt(zmq.LINGER, 1000)
+    # The manager sends an engine only small messages (Drain, Release, AbortPeer, ...).
+    control.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
     control.connect(RuntimePaths.ipc(paths.control))
     frontend = ctx.socket(zmq.ROUTER)
     frontend.setsockopt(zmq.LINGER, 0)
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     # for a duplicate and silently eats its first message (the Hello): that
     # gateway would wait for this engine forever.
     frontend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A message no gateway's Generate can be (derived from gateway.max_body_bytes) closes that
+    # connection before the engine holds it.
+    frontend.setsockopt(zmq.MAXMSGSIZE, engine_max_message_bytes(spec.max_body_bytes))
     bind_private(frontend, paths.engine(spec.model.name))
 
     def report_deadline(seconds: float) -> None:

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -165,8 +166,15 @@ class ControlServer:
         group = m.groups.get(msg.model)
         return group is not None and group.engine.pid == pid
 
+    def loops(self) -> list[tuple[str, Callable[[], Coroutine]]]:
+        """The two receive loops, (name, coroutine factory): the Manager runs each under its
+        Tasks.keep, which restarts one that raised (each message's handler is already guarded,
+        so only the loop's own I/O can) and shuts the manager down past its restarts."""
+        return [("control loop", lambda: self._serve(self.sock, "control")),
+                ("control-ro loop", lambda: self._serve(self.ro, "control-ro"))]
+
     async def serve(self) -> None:
-        await asyncio.gather(self._serve(self.sock, "control"), self._serve(self.ro, "control-ro"))
+        await asyncio.gather(*(factory() for _, factory in self.loops()))
 
     async def _serve(self, sock: zmq.asyncio.Socket, via: str) -> None:
         while True:

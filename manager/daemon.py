@@ -44,7 +44,7 @@ from servectl.proc import (PARENT_ENV, all_pids, is_zombie, kill_instance, port_
                            rss_bytes)
 from servectl.wire import control as P
 from servectl.wire.spawn import MODEL, engine_component, engine_identity, model_component
-from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ManagerState
+from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ExitCode, ManagerState
 
 log = logging.getLogger("manager")
 
@@ -338,16 +338,33 @@ class Manager:
             self.state = ManagerState.STOPPING
             self.tasks.start(self.shutdown(timeout_s), "shutdown")
 
+    def task_died(self, name: str, exc: BaseException) -> None:
+        """A long-lived task (a control loop) kept failing: the manager cannot be controlled,
+        so it stops its tree and exits TASK_DIED (systemd's Restart= starts it again)."""
+        log.critical("task %r died (%s: %s): stopping and exiting %d", name, type(exc).__name__,
+                     str(exc)[:200], ExitCode.TASK_DIED)
+        self.exit_code = int(ExitCode.TASK_DIED)
+        self.request_shutdown()
+
     async def shutdown(self, timeout_s: float | None) -> None:
-        notify("STOPPING=1")
-        drain = self.settings.drain_timeout_s if timeout_s is None else timeout_s
-        log.info("stopping: draining gateways (up to %.0fs)", drain)
-        await self.gateways.stop_all(drain + self.settings.stop_grace_s)
-        for group in self.groups.values():
-            await group.stop(self.settings.stop_grace_s)
-        self.kill_strays()
-        self.state = ManagerState.STOPPED
-        self.done.set()
+        # The way out, whatever fails on it: a shutdown that raised still kills what is left
+        # and ends the manager (run returns), never a live manager that supervises nothing.
+        try:
+            notify("STOPPING=1")
+            drain = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+            log.info("stopping: draining gateways (up to %.0fs)", drain)
+            await self.gateways.stop_all(drain + self.settings.stop_grace_s)
+            for group in self.groups.values():
+                await group.stop(self.settings.stop_grace_s)
+        except Exception:
+            log.exception("shutdown failed; killing what is left")
+            self.exit_code = self.exit_code or int(ExitCode.TASK_DIED)
+        finally:
+            try:
+                self.kill_strays()
+            finally:
+                self.state = ManagerState.STOPPED
+                self.done.set()
 
     def start_watchdog(self) -> None:
         """systemd's watchdog: the one periodic wake-up, and only when systemd asks for it."""
@@ -423,12 +440,16 @@ class Manager:
             self.paths.pidfile.write_text(f"{os.getpid()}\n{self.instance}\n")
         log.info("manager %d: runtime %s, gateway on %s:%d, config %s", os.getpid(), self.paths.root,
                  self.gateway_cfg.host, self.gateways.port, self.config_path or "(none: built-in defaults)")
-        control_task = loop.create_task(self.control.serve())
+        # Restarted when one raises (the children go on being supervised meanwhile); past its
+        # restarts the manager shuts down and exits TASK_DIED, and systemd restarts it.
+        control_tasks = [self.tasks.keep(factory, name, give_up=self.task_died)
+                         for name, factory in self.control.loops()]
         for group in self.groups.values():
             self.start_group(group)
         self.gateways.start_all()
         await self.done.wait()
-        control_task.cancel()
+        for task in control_tasks:
+            task.cancel()
         for path in (self.paths.control, self.paths.control_ro, self.paths.events, self.paths.pidfile):
             path.unlink(missing_ok=True)
         self.ctx.destroy(linger=0)

@@ -87,6 +87,7 @@ class GroupHost(Protocol):
     """What an engine group needs from its supervisor (the Manager)."""
 
     settings: C.ManagerConfig
+    gateway_cfg: C.GatewayConfig  # its max_body_bytes sizes the engine's frontend (EngineSpec)
     runtime_dir: Path
     log_dir: Path
     standbys: StandbyPool
@@ -216,7 +217,8 @@ class EngineGroup:
             freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
             worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
-            step_deadline_floor_s=m.step_deadline_floor_s), "servectl-engine-spec")
+            step_deadline_floor_s=m.step_deadline_floor_s,
+            max_body_bytes=self.host.gateway_cfg.max_body_bytes), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

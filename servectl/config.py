@@ -73,6 +73,10 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A request's body must arrive within this long of its headers; a streamed response whose
     # client reads nothing for this long is cut.
     body_timeout_s: PositiveFloat = 60.0
+    # Open connections per gateway process; 0: its descriptor limit (raised to the hard limit
+    # at start) less a reserve for its own sockets. Past it the oldest idle connection is
+    # closed; with none idle, a new one gets a 503 and is closed (api_gateway/http_server.py).
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
     api_keys: list[str] = []
     api_key_file: str | None = None
     # Keys for the model-management routes (/servectl/v1/...); also accepted wherever an API

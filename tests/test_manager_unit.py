@@ -44,6 +44,7 @@ class HostDouble:
 
     def __init__(self, tmp: Path, **settings):
         self.settings = C.ManagerConfig(**settings)
+        self.gateway_cfg = C.GatewayConfig()
         self.runtime_dir = tmp
         self.log_dir = tmp
         self.standbys = StandbysDouble()

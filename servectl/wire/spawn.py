@@ -56,6 +56,18 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     idle_release_s: float = 0.0
     idle_release: IdleMode = IdleMode.UNLOAD
     sleep_level: int = 1
+    # The gateways' gateway.max_body_bytes: the engine's frontend takes no message larger
+    # than engine_max_message_bytes(this) (ZMQ_MAXMSGSIZE).
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+def engine_max_message_bytes(max_body_bytes: int) -> int:
+    """The largest message an engine takes from a gateway. A Generate carries one prompt of a
+    body and the body's other fields, re-encoded as msgpack: text and integers are no larger
+    than in JSON, a float is at most 9 bytes for JSON's shortest 4 ("1e1,"), so a Generate is
+    under 2.25x its body; a resumed choice adds its output tokens (5 bytes each at most) and
+    their text. 4x the body plus 16 MiB (a resume of ~1M tokens) admits every legitimate one."""
+    return 4 * max_body_bytes + (16 << 20)
 
 
 class GatewaySpec(msgspec.Struct, kw_only=True):

@@ -108,6 +108,10 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # the CLI and the manager: a usage or configuration error
     NOT_RUNNING = 3  # the CLI: no daemon (as systemctl, LSB)
     NO_PERMISSION = 4  # the CLI: the user may not do that (as systemctl, LSB)
+    # The manager or a gateway: a long-lived task (following events, reading an engine, the
+    # control loop) failed past its restarts (servectl/tasks.py Tasks.keep); its supervisor
+    # (systemd, the manager) replaces the process.
+    TASK_DIED = 69
     STEP_FAILED = 70  # the engine: a step failed; its state is unknown, the manager restarts the group
     HUNG = 75  # the engine: its worker group is hung; the manager restarts the group
     # The engine: a load failure a restart cannot fix (sysexits' EX_CONFIG); the
