@@ -21,7 +21,8 @@ from rich.text import Text
 
 from servectl.wire import control as P
 from servectl import config as C
-from servectl.client import ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager, wait_settled
+from servectl.client import (MAX_REPLY_BYTES, ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager,
+                             wait_settled)
 from servectl.messages import last_error, one_line, without_tracebacks
 from servectl.model_check import check_model_paths
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
@@ -395,6 +396,7 @@ def events(runtime_dir):
         not_running(exc)
     sub = client.ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sub.connect(f"ipc://{client.paths.events}")
     try:
         while True:

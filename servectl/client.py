@@ -14,6 +14,10 @@ from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, open_append, system
 from servectl.wire import control as P
 from servectl.wire.spawn import ManagerSpec, spec_fd
 
+# The largest answer or event the CLI and the library take from the manager (a status with
+# many children and their last log lines): generous, so only abuse reaches it (ZMQ_MAXMSGSIZE).
+MAX_REPLY_BYTES = 64 << 20
+
 
 class NotRunning(Exception):
     """No manager answers in this runtime directory."""
@@ -98,6 +102,7 @@ class ControlClient:
         path = self.socket_for(msg)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
             sock.connect(RuntimePaths.ipc(path))
             sock.send(P.encoder.encode(msg))
@@ -170,9 +175,11 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sub.connect(RuntimePaths.ipc(client.paths.events))
     req = ctx.socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
+    req.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     req.connect(RuntimePaths.ipc(client.paths.control_ro))  # bound soon, if not yet: connecting waits
     req.send(P.encoder.encode(P.WaitSettled()))
     poller = zmq.Poller()

@@ -97,3 +97,28 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
             assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_every_zeromq_socket_that_reads_from_a_peer_has_a_maximum_message_size():
+    """Each function that makes a ROUTER, DEALER or SUB socket in the product packages sets
+    ZMQ_MAXMSGSIZE there (the inproc PAIRs are a process's own threads)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    missing, seen = [], 0
+    for pkg in ("servectl", "manager", "engine_core", "api_gateway"):
+        for path in (root / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for fn in ast.walk(tree):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                makes = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                         and n.func.attr == "socket" and n.args and isinstance(n.args[0], ast.Attribute)
+                         and n.args[0].attr in ("ROUTER", "DEALER", "SUB")]
+                if not makes:
+                    continue
+                seen += 1
+                if "MAXMSGSIZE" not in ast.unparse(fn):
+                    missing.append(f"{path.relative_to(root)}:{fn.lineno} {fn.name}")
+    assert seen >= 8 and not missing, missing
