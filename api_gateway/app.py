@@ -10,6 +10,7 @@ This module holds the HTTP side: handlers, middleware, lifecycle, ``main``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -281,27 +282,36 @@ class Gateway:
         if seqs > cap:
             raise HttpError(400, f"{count} prompt(s) × n={n} is {seqs} sequences; at most {cap} per "
                                  "request", param="prompt" if count > 1 else "n", code="too_many_sequences")
-        # Per gateway process: sequences beyond what the engine runs at once. A request alone
-        # in the queue is always admitted (it fits the per-request cap).
-        if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
-            raise HttpError(429, f"too many requests waiting for model {req.model!r} "
-                                 f"(limit {self.cfg.max_waiting_per_model} sequences)", "rate_limit_error",
-                            code="too_many_waiting", headers={"Retry-After": "1"})
+        self.check_room(link, seqs)
         # The response id, as vLLM's: the X-Request-Id header (when plain), else the body's
         # request_id, else ours.
         header = request.headers.get("X-Request-Id")
         base = header if header and header == request["request_id"] else req.request_id or self.new_request_id()
         gens = generate_messages(forward, prompts, self.new_request_id)
         run = self.generator.run(link, gens, n)  # a request the engine cannot take is a 400 here
-        self.in_flight += 1
-        link.admitted += seqs
-        self.idle.clear()
-        try:
+        with self.admitted(link, seqs):
             try:
                 await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
             except EngineUnavailable as exc:
                 raise unavailable(exc) from None
             return await self.generator.respond(request, req, run, chat, base)
+
+    def check_room(self, link: EngineLink, seqs: int) -> None:
+        """Per gateway process: sequences beyond what the engine runs at once are capped. A
+        request alone in the queue is always admitted (it fits the per-request cap)."""
+        if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
+            raise HttpError(429, f"too many requests waiting for model {link.model!r} "
+                                 f"(limit {self.cfg.max_waiting_per_model} sequences)", "rate_limit_error",
+                            code="too_many_waiting", headers={"Retry-After": "1"})
+
+    @contextlib.contextmanager
+    def admitted(self, link: EngineLink, seqs: int):
+        """Admitted work: counted for the model (its queue cap) and for the drain."""
+        self.in_flight += 1
+        link.admitted += seqs
+        self.idle.clear()
+        try:
+            yield
         finally:
             self.in_flight -= 1
             link.admitted -= seqs
@@ -328,10 +338,16 @@ class Gateway:
         model = self.model_for(model)
         link = self.link_for(model)
         request["log"]["model"] = model
+        if self.draining:
+            raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
+        # Admitted as one sequence: tokenising is the engine's work too (a flood of them waits
+        # in, and is capped by, the model's queue like generation).
+        self.check_room(link, 1)
         try:
-            await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s))
-            answer = await link.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind, body=body),
-                                          self.cfg.output_timeout_s)
+            with self.admitted(link, 1):
+                await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), 1)
+                answer = await link.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind,
+                                                           body=body), self.cfg.output_timeout_s)
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         except EngineRequestError as exc:
@@ -386,6 +402,8 @@ class Gateway:
             log.warning("drain timeout: %d request(s) still in flight", self.in_flight)
         await runner.cleanup()
         follower.cancel()
+        for link in self.links.values():  # their readers end here, not on the sockets' close
+            link.tasks.cancel_all()
         self.ctx.destroy(linger=0)
         return self.exit_code
 

@@ -88,3 +88,40 @@ class LogSink:
 
     def tail(self, n: int) -> list[str]:
         return list(self.lines)[-n:]
+
+
+class OwnLogRotation(logging.Handler):
+    """The manager's own log is its stdout and stderr, a file the CLI opened (``manager.log``).
+    Past the cap it is renamed to ``manager.log.1`` and a fresh file takes those descriptors, so
+    every later write (logging's, a library's, a traceback's) lands in the new one. Added after
+    the stream handler, it runs once a record was written; nothing is checked but on a write."""
+
+    def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES, fds: tuple[int, ...] = (1, 2)):
+        super().__init__()
+        self.path = path
+        self.rotate_bytes = rotate_bytes
+        self.fds = fds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            st = os.fstat(self.fds[-1])
+            if st.st_size <= self.rotate_bytes:
+                return
+            on_disk = os.stat(self.path)
+            if (on_disk.st_dev, on_disk.st_ino) != (st.st_dev, st.st_ino):
+                return  # not writing to our log file (a terminal, a pipe, one rotated by someone else)
+            os.replace(self.path, self.path.with_suffix(".log.1"))
+            fd = open_append(self.path)
+            try:
+                for target in self.fds:
+                    os.dup2(fd, target)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # a full disk: the writes go on into the old file (LogSink counts the children's)
+
+
+def rotate_own_log(path: Path) -> None:
+    """Cap the manager's own log file (not under systemd, where the journal keeps it)."""
+    if not journal_mode():
+        logging.getLogger().addHandler(OwnLogRotation(path))

@@ -97,6 +97,9 @@ def run_manager(args: argparse.Namespace) -> int:
 
     manager = Manager(cfg, paths, instance, state_dir, spec.config_path, spec.overrides, lock_fd=lock_fd,
                       report_fd=args.report_fd)
+    from manager.logs import rotate_own_log
+
+    rotate_own_log(manager.log_dir / "manager.log")  # the file the CLI gave us as stdout and stderr
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

@@ -53,3 +53,24 @@ def test_an_oversized_message_is_dropped_before_the_manager_holds_it(daemon):
     wait_for(lambda: ControlClient(daemon.runtime_dir).status(), 30, what="the manager answering")
     grown = [(p.stat().st_size if p.exists() else 0) - s for p, s in zip((audit, manager_log), sizes)]
     assert all(g < 64 * 1024 for g in grown), grown
+
+
+def test_an_undecodable_frame_cannot_forge_a_line_in_the_managers_log(daemon):
+    import msgspec
+
+    manager_log = daemon.runtime_dir / "state" / "logs" / "manager.log"
+    forged = "x\n2026-12-01 00:00:00,000 manager ERROR FORGED-LINE the engine was killed by root"
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(RuntimePaths.ipc(RuntimePaths(daemon.runtime_dir).control_ro))
+        sock.send(msgspec.msgpack.encode({"type": forged}))
+        assert sock.poll(10000)  # refused with an answer (a bad request)
+        reply = P.control_out_decoder.decode(sock.recv())
+        assert isinstance(reply, P.Ack) and not reply.ok
+    finally:
+        sock.close()
+    lines = manager_log.read_text(errors="replace").splitlines()
+    assert any("rejected control frame" in line and "FORGED-LINE" in line for line in lines)
+    assert not any(line.startswith("2026-12-01 00:00:00,000 manager ERROR FORGED-LINE") for line in lines)

@@ -147,3 +147,39 @@ def test_every_control_message_is_either_a_childs_or_an_owners():
     children_or_owner = {*FROM_CHILDREN, *CHANGING, *READ_ONLY}
     assert set(P.ControlIn.__args__) <= children_or_owner | {P.StopRequest}, \
         set(P.ControlIn.__args__) - children_or_owner
+
+
+def test_the_managers_own_log_rotates_and_its_descriptors_follow(tmp_path):
+    import logging
+
+    from manager.logs import OwnLogRotation
+
+    path = tmp_path / "manager.log"
+    fd = open_append(path)  # stands for the stderr the CLI gave the manager
+    handler = OwnLogRotation(path, rotate_bytes=100, fds=(fd,))
+    try:
+        os.write(fd, b"x" * 150)
+        handler.emit(logging.makeLogRecord({"msg": "m"}))
+        os.write(fd, b"after\n")
+        assert (tmp_path / "manager.log.1").read_bytes() == b"x" * 150
+        assert path.read_bytes() == b"after\n"
+        handler.emit(logging.makeLogRecord({"msg": "m"}))  # under the cap: nothing moves
+        assert path.read_bytes() == b"after\n"
+    finally:
+        os.close(fd)
+
+
+def test_the_manager_rotates_only_a_file_it_writes_to(tmp_path):
+    import logging
+
+    from manager.logs import OwnLogRotation
+
+    path = tmp_path / "manager.log"
+    path.write_bytes(b"y" * 500)
+    r, w = os.pipe()  # a terminal or a pipe: nothing to rotate
+    try:
+        OwnLogRotation(path, rotate_bytes=100, fds=(w,)).emit(logging.makeLogRecord({"msg": "m"}))
+    finally:
+        os.close(r)
+        os.close(w)
+    assert not (tmp_path / "manager.log.1").exists()
