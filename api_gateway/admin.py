@@ -142,22 +142,20 @@ class AdminRoutes:
         }
 
     async def load(self, request: web.Request) -> web.Response:
-        who = self.check(request)
-        name = request.match_info["model"]
-        await self.known(name)
-        return self.answer(name, "load", await self.ask(MP.LoadConfigured(name=name, http=who)))
+        return await self.command(request, "load", lambda name, who: MP.LoadConfigured(name=name, http=who))
 
     async def unload(self, request: web.Request) -> web.Response:
-        who = self.check(request)
-        name = request.match_info["model"]
-        await self.known(name)
-        return self.answer(name, "unload", await self.ask(MP.UnloadModel(name=name, http=who)))
+        return await self.command(request, "unload", lambda name, who: MP.UnloadModel(name=name, http=who))
 
     async def restart(self, request: web.Request) -> web.Response:
+        return await self.command(request, "restart", lambda name, who: MP.RestartRequest(model=name, http=who))
+
+    async def command(self, request: web.Request, action: str, message) -> web.Response:
+        """Check the caller, the model; send the manager ``message(name, caller)``; say what it did."""
         who = self.check(request)
         name = request.match_info["model"]
         await self.known(name)
-        return self.answer(name, "restart", await self.ask(MP.RestartRequest(model=name, http=who)))
+        return self.answer(name, action, await self.ask(message(name, who)))
 
     async def freeze(self, request: web.Request) -> web.Response:
         who = self.check(request)
