@@ -97,8 +97,15 @@ class _OpenAIErrorsHandler(RequestHandler):
         return resp
 
 
+def _worth_a_line(count: int) -> bool:
+    """The 1st, 2nd, 4th, 8th, ... time: a flood of connections cannot flood the log."""
+    return count & (count - 1) == 0
+
+
 class _OpenAIErrorsServer(web.Server):
     max_connections = 0  # set by GatewayRunner (0: no cap)
+    closed_idle = 0  # connections closed to make room, and refused, since the start
+    refused = 0
 
     def __call__(self) -> RequestHandler:
         return _OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
@@ -110,11 +117,16 @@ class _OpenAIErrorsServer(web.Server):
             return
         for other in self._connections:  # oldest first
             if other is not handler and _idle(other):
-                log.info("%d connections open (gateway.max_connections = %d): closing an idle one", cap + 1, cap)
+                self.closed_idle += 1
+                if _worth_a_line(self.closed_idle):
+                    log.info("%d connections open (gateway.max_connections = %d): the oldest idle one closed "
+                             "(%d so far)", cap + 1, cap, self.closed_idle)
                 other.force_close()
                 return
-        log.warning("%d connections open, none idle (gateway.max_connections = %d): a new one refused",
-                    cap + 1, cap)
+        self.refused += 1
+        if _worth_a_line(self.refused):
+            log.warning("%d connections open, none idle (gateway.max_connections = %d): a new one refused "
+                        "(%d so far)", cap + 1, cap, self.refused)
         transport.write(REFUSAL)
         transport.close()
 
