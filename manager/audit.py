@@ -84,15 +84,21 @@ MAX_STRING = 512
 MAX_ITEMS = 64
 
 
-def bounded(value):
-    """``value`` with every string, list and dict cut to the bounds above, saying what was cut. Pure."""
+MAX_DEPTH = 8
+
+
+def bounded(value, depth: int = 0):
+    """``value`` with every string, list and dict cut to the bounds above (and nesting past
+    ``MAX_DEPTH`` said, not written), saying what was cut. Pure."""
+    if depth >= MAX_DEPTH and isinstance(value, (list, dict)):
+        return f"…(nested deeper than {MAX_DEPTH})"
     if isinstance(value, str):
         return value if len(value) <= MAX_STRING else f"{value[:MAX_STRING]}…({len(value)} characters)"
     if isinstance(value, list):
-        items = [bounded(v) for v in value[:MAX_ITEMS]]
+        items = [bounded(v, depth + 1) for v in value[:MAX_ITEMS]]
         return items + [f"…({len(value)} items)"] if len(value) > MAX_ITEMS else items
     if isinstance(value, dict):
-        out = {bounded(str(k)): bounded(v) for k, v in list(value.items())[:MAX_ITEMS]}
+        out = {bounded(str(k)): bounded(v, depth + 1) for k, v in list(value.items())[:MAX_ITEMS]}
         if len(value) > MAX_ITEMS:
             out["…"] = f"({len(value)} keys)"
         return out
@@ -151,19 +157,22 @@ class AuditLog:
         except OSError as exc:
             self.failed(exc)
             return
+        data = line.encode()
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return
-            if st.st_size + len(line) > self.rotate_bytes:
+            if st.st_size + len(data) > self.rotate_bytes:
                 os.replace(self.path, self.path.with_suffix(".log.1"))
                 os.close(fd)
+                fd = -1  # closed: never closed twice (the number may be another's by then)
                 fd = open_append(self.path)
-            os.write(fd, line.encode())
+            os.write(fd, data)
         except OSError as exc:
             self.failed(exc)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def failed(self, exc: OSError) -> None:
         self.failures += 1

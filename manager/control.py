@@ -182,29 +182,36 @@ class ControlServer:
             if len(frames) < 2:
                 continue
             caller = Caller(sock, frames[0].bytes, peer_of(frames[-1]), via)
-            body = frames[-1].bytes
             try:
-                msg = P.control_in_decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                # repr, cut: the error quotes the sender's bytes, which must not forge log lines
-                log.warning("rejected control frame from %r on %s: %r", caller.ident[:32], via, str(exc)[:200])
-                self.reply(caller, P.Ack(ok=False, message=f"bad request: {exc}"))
-                continue
-            why = self.refusal(caller, msg)
-            if why is not None:
-                log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
-                            caller.peer.pid, via)
-                if isinstance(msg, (CHANGING, FROM_CHILDREN)) or via == "control-ro":
-                    self.record(caller, msg, "denied")
-                self.reply(caller, P.Ack(ok=False, message=why))
-                continue
-            if isinstance(msg, CHANGING):
-                self.record(caller, msg, "accepted")
-            try:
-                self.handlers[type(msg)](caller, msg)
-            except Exception:  # a bug in one handler must not take the supervisor down
-                log.exception("control message %r failed", msg)
+                self.take(caller, frames[-1].bytes)
+            except Exception as exc:  # nothing one message does may end the loop (a peer's, or a bug)
+                log.error("control message on %s failed: %s", via, type(exc).__name__)
                 self.reply(caller, P.Ack(ok=False, message="internal error; see the manager log"))
+
+    def take(self, caller: Caller, body: bytes) -> None:
+        """One message: decoded, checked, audited, handled."""
+        try:
+            msg = P.control_in_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            # repr, cut: the error quotes the sender's bytes, which must not forge log lines
+            log.warning("rejected control frame from %r on %s: %r", caller.ident[:32], caller.via, str(exc)[:200])
+            self.reply(caller, P.Ack(ok=False, message=f"bad request: {str(exc)[:200]}"))
+            return
+        why = self.refusal(caller, msg)
+        if why is not None:
+            log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
+                        caller.peer.pid, caller.via)
+            if isinstance(msg, (CHANGING, FROM_CHILDREN)) or caller.via == "control-ro":
+                self.record(caller, msg, "denied")
+            self.reply(caller, P.Ack(ok=False, message=why))
+            return
+        if isinstance(msg, CHANGING):
+            self.record(caller, msg, "accepted")
+        try:
+            self.handlers[type(msg)](caller, msg)
+        except Exception:  # a bug in one handler must not take the supervisor down
+            log.exception("control message %s failed", type(msg).__name__)
+            self.reply(caller, P.Ack(ok=False, message="internal error; see the manager log"))
 
     def notify_settled(self) -> None:
         waiters, self.settled_waiters = self.settled_waiters, []

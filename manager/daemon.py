@@ -262,6 +262,8 @@ class Manager:
         group = self.groups[name]
         await group.drain(self.settings.drain_timeout_s)
         await group.stop(self.settings.stop_grace_s)
+        if self.groups.get(name) is not group:
+            return  # another unload (or a reload) removed it meanwhile: a new group under that name stays
         del self.groups[name]
         self.standbys.forget_model(name)
         group.remove()  # publishes `removed`: gateways drop the model

@@ -218,6 +218,8 @@ class GatewayPool:
             self.members.append(gw)
             self.start(gw)
         while len(self.members) > gateway.processes:
-            await self.stop(self.members.pop(), grace)
+            # Stopped while still a member: it drains, and its reports (a hang, a wake) are a gateway's.
+            await self.stop(self.members[-1], grace)
+            self.members.pop()
         if old_sock is not None:
             old_sock.close()

@@ -183,3 +183,79 @@ def test_the_manager_rotates_only_a_file_it_writes_to(tmp_path):
         os.close(r)
         os.close(w)
     assert not (tmp_path / "manager.log.1").exists()
+
+
+# ---- what one message may do to the control loop -------------------------------------------------
+
+class Replies:
+    def __init__(self):
+        self.sent = []
+
+    def send_multipart(self, frames, flags=0):
+        self.sent.append(P.control_out_decoder.decode(frames[-1]))
+
+
+def nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [600, 1200, 5000])
+@pytest.mark.parametrize("via", ["control", "control-ro"])
+def test_a_deeply_nested_message_is_refused_and_the_loop_goes_on(server, depth, via):
+    import msgspec
+
+    # msgpack by hand: msgspec will not encode what deep (a peer's bytes need no encoder)
+    args = b"\x81\xa1k" * depth + b"\x80"
+    body = (b"\x82\xa4type\xa4load\xa5model\x83\xa4name\xa2m2\xa5model\xa2/m\xabengine_args" + args)
+    assert msgspec.msgpack.decode(b"\x81\xa1k" * 3 + b"\x80") == nested(3)
+    sock = Replies()
+    caller = Caller(sock, b"x", Peer(os.geteuid(), os.getegid(), OTHER_PID), via)
+    try:
+        server.take(caller, body)
+    except Exception as exc:  # the loop catches anything; take itself should answer
+        pytest.fail(f"take raised {type(exc).__name__}")
+    assert sock.sent and all(isinstance(r, P.Ack) and not r.ok for r in sock.sent), sock.sent
+
+
+def test_a_chained_component_name_cannot_end_the_loop(server):
+    sock = Replies()
+    caller = Caller(sock, b"x", Peer(os.geteuid(), os.getegid(), OTHER_PID), "control")
+    msg = P.ChildReady(component="standby:" * 5000 + "engine_core:m", pid=OTHER_PID)
+    server.take(caller, P.encoder.encode(msg))
+    assert len(sock.sent) == 1 and not sock.sent[0].ok
+
+
+def test_audited_arguments_say_where_they_are_nested_too_deep():
+    from manager.audit import MAX_DEPTH
+
+    cut = bounded(nested(5000))
+    depth = 0
+    while isinstance(cut, dict):
+        cut, depth = cut["k"], depth + 1
+    assert depth == MAX_DEPTH and "nested deeper" in cut
+
+
+def test_an_audit_rotation_whose_reopen_fails_closes_nothing_twice(tmp_path, monkeypatch):
+    import errno
+
+    import manager.audit as A
+
+    audit = AuditLog(tmp_path / "audit.log", rotate_bytes=10)
+    (tmp_path / "audit.log").write_text("x" * 100)
+    real, calls = A.open_append, []
+
+    def failing_second(path, *a):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a)
+
+    monkeypatch.setattr(A, "open_append", failing_second)
+    closed = []
+    real_close = os.close
+    monkeypatch.setattr(A.os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+    audit.write(audit_record(0.0, Peer(0, 0, 1), P.StopRequest(), "accepted"))  # must not raise
+    assert audit.failures == 1 and len(closed) == len(set(closed)) == 1

@@ -198,6 +198,8 @@ def parse_component(name: str) -> ComponentName | None:
     """The parts of a component name, or None for anything no builder above makes."""
     kind, _, rest = name.partition(":")
     if kind == STANDBY:
+        if rest.startswith(f"{STANDBY}:"):
+            return None  # no builder makes a standby's standby (and a chain of them must not recurse)
         member = parse_component(rest)
         # Only group members (an engine, a worker) have standbys.
         return ComponentName(STANDBY, member.model, member.index, rest) \
