@@ -27,10 +27,11 @@ class ChoiceDelta:
     """What one delta adds to one choice of the response."""
 
     __slots__ = ("pi", "index", "text", "entries", "token_ids", "finish_reason", "stop_reason", "first",
-                 "opens_request", "empty")
+                 "opens_request", "empty", "message")
 
     def __init__(self, pi: int, index: int, text: str, entries: list, token_ids: list[int],
-                 finish_reason: str | None, stop_reason, first: bool, opens_request: bool, empty: bool):
+                 finish_reason: str | None, stop_reason, first: bool, opens_request: bool, empty: bool,
+                 message: dict | None = None):
         self.pi = pi  # the prompt (engine request) it belongs to
         self.index = index  # the choice's index in the response: prompt index * n + choice
         self.text = text  # with the echo in front on a completion choice's first delta
@@ -41,12 +42,16 @@ class ChoiceDelta:
         self.first = first  # the choice's first delta
         self.opens_request = opens_request  # the request's first delta (it carried the PromptInfo)
         self.empty = empty  # nothing to show (vLLM sends no chunk for it)
+        self.message = message  # a parsed chat's delta fields (vLLM's), None for a plain one
 
 
 class _Choice:
-    __slots__ = ("texts", "entries", "token_ids", "finish", "stop_reason", "tokens", "offset")
+    __slots__ = ("texts", "entries", "token_ids", "finish", "stop_reason", "tokens", "offset", "message",
+                 "reasoning_tokens")
 
     def __init__(self):
+        self.message: dict | None = None  # a parsed whole answer's message fields (vLLM's)
+        self.reasoning_tokens = 0
         self.texts: list[str] = []
         self.entries: list = []
         self.token_ids: list[int] = []
@@ -113,6 +118,15 @@ class ResponseAccumulator:
             choice.token_ids.extend(d.token_ids)
         if d.finish_reason is not None:
             choice.finish, choice.stop_reason = d.finish_reason, d.stop_reason
+        if d.reasoning_tokens is not None:
+            choice.reasoning_tokens = d.reasoning_tokens
+        if info is not None and info.parsed:  # what vLLM's parsers show (Delta.message), not the raw text
+            if d.message is not None:
+                choice.message = d.message
+            shows_ids = self.return_token_ids and not info.metadata_hidden
+            empty = d.message is None and d.finish_reason is None and not entries and not (shows_ids and d.token_ids)
+            return ChoiceDelta(pi, index, text, entries, d.token_ids, d.finish_reason, d.stop_reason, first, opens,
+                               empty, d.message or {})
         empty = not text and not d.token_ids and d.finish_reason is None and not entries
         return ChoiceDelta(pi, index, text, entries, d.token_ids, d.finish_reason, d.stop_reason, first, opens,
                            empty)
@@ -125,16 +139,25 @@ class ResponseAccumulator:
         if old is not None:
             self.completion_tokens -= old.tokens
 
+    def _details(self, reasoning_tokens: int):
+        """vLLM's ``completion_tokens_details`` (a model with a reasoning parser), else unset."""
+        if any(info.reasoning_usage for info in self.infos.values()):
+            return H.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return msgspec.UNSET
+
     def usage(self) -> H.Usage:
         prompt = sum(self.prompt_tokens)
         return H.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                       total_tokens=prompt + self.completion_tokens)
+                       total_tokens=prompt + self.completion_tokens,
+                       completion_tokens_details=self._details(sum(c.reasoning_tokens for c in self.choices.values())))
 
     def _choice_usage(self, pi: int, index: int) -> H.Usage | None:
         if not self.continuous_usage:
             return None
-        prompt, done = self.prompt_tokens[pi], self.choices[index].tokens if index in self.choices else 0
-        return H.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+        choice = self.choices.get(index)
+        prompt, done = self.prompt_tokens[pi], choice.tokens if choice else 0
+        return H.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
+                       completion_tokens_details=self._details(choice.reasoning_tokens if choice else 0))
 
     # ---- a stream ------------------------------------------------------------------------------
     def chunks(self, part: ChoiceDelta, created: int) -> list[H.ChatCompletionChunk | H.CompletionResponse]:
@@ -146,14 +169,19 @@ class ResponseAccumulator:
         if part.empty:
             return out
         if self.chat:
-            logprobs = chat_logprobs(part.entries) if self.logprobs else None
+            # A parsed chat whose reasoning is hidden shows neither (vLLM's hide_stream_metadata).
+            shown = not (part.message is not None and info.metadata_hidden)
+            delta = H.DeltaMessage(content=part.text) if part.message is None else \
+                msgspec.convert(part.message, H.DeltaMessage)
+            logprobs = chat_logprobs(part.entries) if self.logprobs and shown else None
+            shows_ids = self.return_token_ids and shown
             out.append(H.ChatCompletionChunk(
                 id=self.id, object="chat.completion.chunk", created=created, model=self.model,
                 usage=self._choice_usage(part.pi, part.index), choices=[H.ChatChunkChoice(
-                    index=part.index, delta=H.DeltaMessage(content=part.text), logprobs=logprobs,
+                    index=part.index, delta=delta, logprobs=logprobs,
                     finish_reason=part.finish_reason,
                     stop_reason=msgspec.UNSET if part.finish_reason is None else part.stop_reason,
-                    token_ids=part.token_ids if self.return_token_ids else None)]))
+                    token_ids=part.token_ids if shows_ids else None)]))
             return out
         logprobs = None
         if self.logprobs:
@@ -193,20 +221,35 @@ class ResponseAccumulator:
         return H.CompletionResponse(id=self.id, object="text_completion", created=created, model=self.model,
                                     choices=[], usage=self.usage())
 
+    @staticmethod
+    def _message(info: PromptInfo, c: _Choice) -> H.ResponseMessage:
+        """A choice's message: its text, or a parsed chat's fields as vLLM's parsers gave them; an
+        echo in front of the content."""
+        role, echo = info.role or "assistant", info.echo_text or ""
+        if not info.parsed:
+            return H.ResponseMessage(role=role, content=echo + "".join(c.texts))
+        m = c.message or {}
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        return H.ResponseMessage(role=role, content=echo + (content or "") if echo else content,
+                                 reasoning=m.get("reasoning"),
+                                 tool_calls=msgspec.convert(calls, list[H.ToolCall]) if calls else msgspec.UNSET)
+
     # ---- a whole response ------------------------------------------------------------------------
     def response(self, created: int) -> H.ChatCompletionResponse | H.CompletionResponse:
         """The whole answer (needs keep=True): every choice that had output, in index order."""
         ids = self.return_token_ids
         if self.chat:
             info = self.infos.get(0) or PromptInfo(tokens=0)
-            echo = info.echo_text or ""
+            hidden = info.metadata_hidden
             return H.ChatCompletionResponse(
                 id=self.id, object="chat.completion", created=created, model=self.model, usage=self.usage(),
                 prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None,
                 prompt_text=info.prompt_text, choices=[H.ChatChoice(
-                    index=i, message=H.ResponseMessage(role=info.role or "assistant", content=echo + "".join(c.texts)),
-                    logprobs=chat_logprobs(c.entries) if self.logprobs else None, finish_reason=c.finish or "stop",
-                    stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None)
+                    index=i, message=self._message(info, c),
+                    logprobs=chat_logprobs(c.entries) if self.logprobs and not hidden else None,
+                    finish_reason=c.finish or "stop", stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if ids and not hidden else None)
                     for i, c in sorted(self.choices.items())])
         choices = []
         for i, c in sorted(self.choices.items()):

@@ -35,7 +35,8 @@ IGNORED_HEADER = "x-servectl-ignored-fields"
 _BEAM = "beam search is not supported (it needs vLLM's beam-search driver, which servectl does not run)"
 _RENDER = "only vLLM's /render endpoints use it, and servectl does not serve them"
 _DISAGG = "disaggregated serving (KV / encoder-cache transfer between servers) is not supported"
-_TOOLS = "tool calling is not supported (servectl runs no tool-call parser)"
+_FUNCTIONS = ("the deprecated function-calling API is not supported (vLLM would ignore it silently); use "
+              "`tools` and `tool_choice`")
 _MM = "multimodal input is not supported"
 
 # field -> (why it is refused, values that ask for nothing and so are accepted; None always is)
@@ -57,13 +58,10 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
     },
     "chat": {
         **_GENERATION_REFUSED,
-        "tools": (_TOOLS, ()),
-        "tool_choice": (_TOOLS, ("none",)),
         "media_io_kwargs": (_MM, ({},)),
         "mm_processor_kwargs": (_MM, ({},)),
     },
     "tokenize": {
-        "tools": (_TOOLS, ([],)),
         "media_io_kwargs": (_MM, ({},)),
         "mm_processor_kwargs": (_MM, ({},)),
     },
@@ -76,8 +74,8 @@ OPENAI_ONLY: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
         "best_of": ("best_of is not supported (vLLM 0.32 removed it)", (1,)),
     },
     "chat": {
-        "functions": ("the deprecated function-calling API is not supported; " + _TOOLS, ([],)),
-        "function_call": ("the deprecated function-calling API is not supported; " + _TOOLS, ("none",)),
+        "functions": (_FUNCTIONS, ()),
+        "function_call": (_FUNCTIONS, ()),
         "audio": ("audio output is not supported", ()),
         "modalities": ("only text output is supported", (["text"],)),
         "prediction": ("predicted outputs are not supported", ()),
@@ -107,7 +105,7 @@ TYPES: dict[str, type] = {"completion": H.CompletionRequest, "chat": H.ChatCompl
 TOKENIZE_FIELDS = {
     "prompt": ("model", "prompt", "add_special_tokens", "return_token_strs"),
     "messages": ("model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
-                 "add_special_tokens", "chat_template", "chat_template_kwargs"),
+                 "add_special_tokens", "chat_template", "chat_template_kwargs", "tools"),
 }
 
 

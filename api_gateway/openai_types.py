@@ -119,6 +119,30 @@ class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
+    reasoning: str | None = None  # an assistant's reasoning, as vLLM returned it
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request, kw_only=True):
@@ -130,6 +154,8 @@ class ChatCompletionRequest(_Request, kw_only=True):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True
     parallel_tool_calls: bool | None = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -151,6 +177,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -163,10 +190,16 @@ class DetokenizeRequest(Struct, kw_only=True):
 # Fields without a default are always written (OpenAI's shape, and vLLM's
 # `stop_reason`); vLLM's optional extras are written only when asked for.
 
+class CompletionTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: int
+
+
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # A model with a reasoning parser (vLLM's usage for it).
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(Struct, kw_only=True):
@@ -213,9 +246,23 @@ class ChatLogprobs(Struct, kw_only=True):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ResponseMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    # A parsed chat (a reasoning or tool-call parser): vLLM's fields, written only for it.
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(Struct, kw_only=True, omit_defaults=True):
@@ -239,9 +286,23 @@ class ChatCompletionResponse(Struct, kw_only=True, omit_defaults=True):
     prompt_text: str | None = None
 
 
+class DeltaFunctionCall(Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True, omit_defaults=True):

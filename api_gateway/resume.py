@@ -33,15 +33,19 @@ EXACT = frozenset({
     "logprobs", "top_logprobs", "logprob_token_ids", "prompt_logprobs", "echo", "return_token_ids",
     "return_tokens_as_token_ids", "return_prompt_text", "skip_special_tokens", "spaces_between_special_tokens",
     "include_reasoning", "stream", "stream_options", "stream_interval", "user", "priority", "request_id",
-    "session_id", "parallel_tool_calls",
+    "session_id", "parallel_tool_calls", "tools", "tool_choice",
     # exact for some values only (why_not_exact):
     "seed", "presence_penalty", "frequency_penalty", "response_format", "structured_outputs",
 })
 
 
-def why_not_exact(gen: EP.Generate) -> str | None:
-    """Why a new engine could not continue this request's output exactly, or None if it can."""
+def why_not_exact(gen: EP.Generate, constrained: bool = False) -> str | None:
+    """Why a new engine could not continue this request's output exactly, or None if it can.
+    ``constrained``: the engine said a grammar constrains it (a `required` or named tool choice,
+    a strict tool's structural tag: set by the model's tool-call parser, not seen in the body)."""
     b = gen.body
+    if constrained:
+        return "constrained output (the grammar's state is not carried over)"
     rf = b.get("response_format")
     if b.get("structured_outputs") is not None or (isinstance(rf, dict) and rf.get("type") not in (None, "text")):
         return "structured output (the grammar's state is not carried over)"
@@ -70,7 +74,7 @@ class CannotContinue(Exception):
 
 
 def plan(gens: list[EP.Generate], choices: list[list[Choice]], new_id, whole_answer: bool,
-         restart) -> list[tuple[int, EP.Generate]]:
+         restart, constrained: list[bool] | None = None) -> list[tuple[int, EP.Generate]]:
     """What to send a new engine for the unfinished part of a request: (prompt index, Generate).
 
     ``restart(pi, c)`` is called for a choice that runs again from the start (its partial
@@ -87,7 +91,7 @@ def plan(gens: list[EP.Generate], choices: list[list[Choice]], new_id, whole_ans
             again.request_id = new_id()
             out.append((pi, again))
             continue
-        reason = why_not_exact(gen)
+        reason = why_not_exact(gen, bool(constrained and constrained[pi]))
         for index, c in enumerate(mine):
             if c.finished:
                 continue

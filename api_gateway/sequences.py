@@ -72,6 +72,7 @@ class RequestRun:
         self.whole_answer = whole_answer
         self.restart = restart  # the response forgets a choice that runs again from its start
         self.choices = [[Choice() for _ in range(n)] for _ in gens]
+        self.constrained = [False] * len(gens)  # the engine said a grammar constrains the prompt's output
         self.restarts = 0
         # Encoded now, before anything is registered: a request that cannot be sent is a 400.
         self.frames = [encode_generate(g) for g in gens]
@@ -105,7 +106,8 @@ class RequestRun:
                     f"model {link.model!r} was replaced by a changed configuration (a reload) while this "
                     "request ran; it cannot go on on the new one: send it again", retry_after=1))
             try:
-                sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart)
+                sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart,
+                             self.constrained)
             except CannotContinue as exc:
                 raise unavailable(EngineUnavailable(
                     f"the engine of model {link.model!r} restarted ({why}) and this stream cannot be continued "
@@ -165,6 +167,8 @@ class RequestRun:
     def _passed(self, pi: int, d: EP.Delta) -> None:
         """What the client is given (or will be: a whole answer) of one choice."""
         c = self.choices[pi][d.index]
+        if d.prompt is not None and d.prompt.constrained:
+            self.constrained[pi] = True
         c.started = True
         c.tokens.extend(d.token_ids)
         c.text_chars += len(d.text)

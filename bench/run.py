@@ -161,11 +161,16 @@ class Server:
 class VllmServe(Server):
     name = "vllm serve"
 
+    def __init__(self, workdir: Path, model: Path = DEFAULT_MODEL_DIR, served: str = "default",
+                 flags: tuple[str, ...] = (), max_model_len: int = MAX_MODEL_LEN):
+        super().__init__(workdir)
+        self.model, self.served, self.flags, self.max_model_len = model, served, tuple(flags), max_model_len
+
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEFAULT_MODEL_DIR),
-               "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
-               "--dtype", DTYPE]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", self.served, "--host", "127.0.0.1", "--port", str(self.port),
+               "--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len",
+               str(self.max_model_len), "--dtype", DTYPE, *self.flags]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         self.launched = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.workdir / "vllm.log", "ab"),

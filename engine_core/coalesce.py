@@ -30,7 +30,8 @@ def merge(deltas: list[P.Delta]) -> list[P.Delta]:
         if m is None:
             merged[key] = P.Delta(request_id=d.request_id, index=d.index, text=d.text, token_ids=list(d.token_ids),
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                                  logprobs=list(d.logprobs) if d.logprobs is not None else None, prompt=d.prompt)
+                                  logprobs=list(d.logprobs) if d.logprobs is not None else None, prompt=d.prompt,
+                                  message=d.message, reasoning_tokens=d.reasoning_tokens)
             continue
         m.text += d.text
         m.token_ids.extend(d.token_ids)
@@ -38,6 +39,10 @@ def merge(deltas: list[P.Delta]) -> list[P.Delta]:
             m.logprobs = (m.logprobs or []) + d.logprobs
         if d.finish_reason is not None:
             m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+        if d.message is not None:  # a parsed whole answer's message: on its last delta only
+            m.message = d.message
+        if d.reasoning_tokens is not None:
+            m.reasoning_tokens = d.reasoning_tokens
         if m.prompt is None:
             m.prompt = d.prompt
     return list(merged.values())

@@ -70,10 +70,9 @@ class EngineServer:
     # tested without it (tests/test_engine_loop_unit.py).
     @functools.cached_property
     def builder(self):
-        from engine_core.requests import RequestBuilder
+        from engine_core.requests import request_builder
 
-        return RequestBuilder(self.engine.model_config, self.engine.renderer,
-                              trust_request_chat_template=self.spec.model.trust_request_chat_template)
+        return request_builder(self.engine.vllm_config, self.engine.renderer, self.spec.model)
 
     @functools.cached_property
     def tokenizer_endpoints(self):
@@ -373,10 +372,11 @@ class EngineServer:
         try:
             built = self._build(msg)
             prompt_ids = continue_request(built, msg.resume) if msg.resume is not None else None
-            internal_id = self.engine.add_request(rid, built.engine_input, built.params, priority=built.priority,
-                                                  session_id=built.session_id)
+            internal_id = built.add_to(self.engine, rid)
             if msg.resume is not None:
-                seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
+                texts = seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
+                if built.spec.parsing is not None:
+                    built.spec.parsing.replay(0, texts, list(msg.resume.token_ids))
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)

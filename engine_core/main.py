@@ -28,7 +28,7 @@ import zmq
 
 from engine_core.core import EngineServer, StepFailed
 from engine_core.idle import build_choice, device_memory_in_use
-from engine_core.load_errors import permanent_reason
+from engine_core.load_errors import describe, permanent_reason
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
                                  read_key)
 from servectl.messages import one_line
@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-pidfds", default="")
     ap.add_argument("--check", action="store_true", help="validate engine arguments and exit")
     ap.add_argument("--engine-args", help="with --check: engine arguments as JSON")
+    ap.add_argument("--chat", help="with --check: the model's tool_call_parser and tool_parser_plugin as JSON")
     args = ap.parse_args(argv)
     if args.check:
-        return check_engine_args(json.loads(args.engine_args or "{}"))
+        return check_engine_args(json.loads(args.engine_args or "{}"), json.loads(args.chat or "{}"))
     spec = read_spec_fd(args.spec_fd, EngineSpec)
     die_with_parent()
     setup_child_logging(f"engine_core[{spec.model.name}]")
@@ -145,9 +146,16 @@ def main(argv: list[str] | None = None) -> int:
 
     server = EngineServer(spec, engine, group, frontend, control, release_mode=idle.mode,
                           device_memory=device_memory)
-    # vLLM's OpenAI request classes are imported (and the model's generation config read) now,
-    # before ready, not by the first request.
-    server.builder  # noqa: B018
+    # vLLM's OpenAI request classes are imported, the model's generation config read and its chat
+    # parsers made now, before ready, not by the first request. A parser vLLM does not register,
+    # or one that does not fit the tokenizer, is the configuration's fault: no restart fixes it.
+    try:
+        server.builder  # noqa: B018
+    except Exception as exc:
+        reason = permanent_reason(exc) or describe(exc)
+        log.exception("the model's chat settings cannot be used; a restart cannot fix this: %s", reason)
+        report_permanent_failure(control, spec, reason)
+        return ExitCode.PERMANENT
     server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
@@ -206,8 +214,10 @@ def exit_now(code: int, group) -> None:
     os._exit(code)
 
 
-def check_engine_args(engine_args: dict[str, Any]) -> int:
-    """`python -m engine_core --check`: let vLLM itself judge engine arguments."""
+def check_engine_args(engine_args: dict[str, Any], chat: dict[str, Any] | None = None) -> int:
+    """`python -m engine_core --check`: let vLLM itself judge engine arguments, and whether it
+    registers the parsers named (``chat``: the model's tool_call_parser and tool_parser_plugin).
+    A parser it does not know is named with the ones it does; the parsers in use are printed."""
     from vllm.engine.arg_utils import EngineArgs
 
     try:
@@ -218,5 +228,24 @@ def check_engine_args(engine_args: dict[str, Any]) -> int:
     except Exception as exc:
         print(f"invalid engine arguments: {one_line(str(exc))}", file=sys.stderr)
         return 2
+    chat = chat or {}
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        if chat.get("tool_parser_plugin"):
+            ToolParserManager.import_tool_parser(chat["tool_parser_plugin"])
+    except Exception as exc:  # noqa: BLE001 - the plugin's own error, in one line
+        print(f"tool_parser_plugin {chat['tool_parser_plugin']!r} cannot be imported: {one_line(str(exc))}",
+              file=sys.stderr)
+        return 2
+    for key, name, known in (("tool_call_parser", chat.get("tool_call_parser"), ToolParserManager.list_registered()),
+                             ("engine_args.reasoning_parser", engine_args.get("reasoning_parser"),
+                              ReasoningParserManager.list_registered())):
+        if name and name not in known:
+            print(f"{key} {name!r} is not registered in vLLM; it registers: {', '.join(known)}", file=sys.stderr)
+            return 2
+        if name:
+            print(f"{key}: {name}")
     return 0
 

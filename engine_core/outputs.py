@@ -35,6 +35,12 @@ class OutputFormatter:
                             stop_reason=comp.stop_reason)
             if spec.logprobs is not None and comp.logprobs:
                 delta.logprobs = self.entries(comp.token_ids, comp.logprobs, spec)
+            parsing = spec.parsing
+            if parsing is not None:  # what vLLM's parsers show of it (chat_parsing.py)
+                delta.message, delta.finish_reason, delta.reasoning_tokens = parsing.step(
+                    comp.index, comp.text, list(comp.token_ids), comp.finish_reason)
+                if parsing.hides_metadata:
+                    delta.logprobs = None
             if first:
                 delta.prompt = self.prompt_info(ro, spec)
                 first = False
@@ -55,6 +61,11 @@ class OutputFormatter:
                 for step in prompt_logprobs]
         if spec.chat:
             info.role = spec.role
+            info.constrained = spec.constrained
+            if spec.parsing is not None:
+                info.parsed = True
+                info.reasoning_usage = spec.parsing.counts_reasoning
+                info.metadata_hidden = spec.parsing.hides_metadata
             info.echo_text = spec.echo_text
             if spec.return_prompt_text:
                 info.prompt_text = getattr(ro, "prompt", None)

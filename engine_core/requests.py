@@ -79,6 +79,9 @@ class OutputSpec:
     role: str | None = None  # chat: the answer's role
     echo_text: str | None = None  # chat echo: the last message's content (if it is the answer's role)
     return_prompt_text: bool = False
+    # chat with a reasoning or tool-call parser (chat_parsing.ChatParsing): what each choice shows
+    parsing: Any = None
+    constrained: bool = False  # a grammar constrains the output (it does not carry over a restart)
     started: bool = False  # the request's first output (which carries its prompt) went out
     whole: bool = False  # not streamed: output after the first is held and merged (coalesce.py)
 
@@ -92,6 +95,26 @@ class Built:
     priority: int
     session_id: str | None
     spec: OutputSpec
+    # EngineCoreRequest fields LLMEngine.add_request takes no argument for (reasoning_ended,
+    # reasoning_parser_kwargs: chat_parsing.ChatFrontend.reasoning_request_fields), or None.
+    core_fields: dict[str, Any] | None = None
+
+    def add_to(self, engine, request_id: str) -> str:
+        """``LLMEngine.add_request``; with ``core_fields``, the request is processed here and they are
+        set on it first, as ``AsyncLLM.add_request`` does for `vllm serve`. Returns vLLM's id."""
+        fields = {k: v for k, v in (self.core_fields or {}).items() if v is not None}
+        if not fields:
+            return engine.add_request(request_id, self.engine_input, self.params, priority=self.priority,
+                                      session_id=self.session_id)
+        from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+        core = engine.input_processor.process_inputs(request_id, self.engine_input, self.params,
+                                                     supported_tasks=engine.get_supported_tasks(),
+                                                     priority=self.priority, session_id=self.session_id)
+        for name, value in fields.items():
+            setattr(core, name, value)
+        prompt_text = extract_prompt_components(engine.model_config, self.engine_input).text
+        return engine.add_request(request_id, core, core.params, prompt_text=prompt_text)
 
 
 def default_sampling(model_config) -> tuple[dict[str, Any], int | None]:
@@ -109,7 +132,7 @@ def default_sampling(model_config) -> tuple[dict[str, Any], int | None]:
 class RequestBuilder:
     """Builds vLLM requests for one engine (its model config, renderer and tokenizer)."""
 
-    def __init__(self, model_config, renderer, trust_request_chat_template: bool = False):
+    def __init__(self, model_config, renderer, frontend, trust_request_chat_template: bool = False):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
@@ -125,6 +148,7 @@ class RequestBuilder:
         self._DELTA = RequestOutputKind.DELTA
         self.model_config = model_config
         self.renderer = renderer
+        self.frontend = frontend  # chat_parsing.ChatFrontend: vLLM's OnlineRenderer for this model
         self.trust_request_chat_template = trust_request_chat_template
         self.defaults, self.override_max_tokens = default_sampling(model_config)
         if self.defaults:
@@ -171,17 +195,11 @@ class RequestBuilder:
 
     # ---- /v1/chat/completions ------------------------------------------------------------
     def _chat(self, body: dict[str, Any]) -> Built:
-        from vllm.renderers import merge_kwargs
-        from vllm.utils.mistral import is_mistral_tokenizer
-
         req = self.ChatCompletionRequest.model_validate(body)
         self.check_chat_template(req.chat_template, req.chat_template_kwargs)
-        # OnlineRenderer.preprocess_chat, without tools (refused by the gateway) or multimodal input.
-        tokenize = is_mistral_tokenizer(self.renderer.tokenizer) or self.model_config.enable_prompt_embeds
-        chat_params = req.build_chat_params(None, "auto").with_defaults(
-            merge_kwargs(None, dict(tools=None, tokenize=tokenize)))
-        (conversation,), (engine_input,) = self.renderer.render_chat(
-            [req.messages], chat_params, req.build_tok_params(self.model_config), prompt_extras=self._extras(req))
+        # vLLM's OnlineRenderer: tool-choice checks, tools in the template, the parser's
+        # adjust_request (chat_parsing.py).
+        conversation, engine_input = self.frontend.render(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling(req, max_tokens, engine_input)
         # OpenAIServingChat.get_chat_request_role and its echo of the last message.
@@ -195,7 +213,18 @@ class RequestBuilder:
                           as_token_ids=bool(req.return_tokens_as_token_ids), echo=bool(req.echo),
                           return_token_ids=bool(req.return_token_ids), role=role, echo_text=echo_text or None,
                           return_prompt_text=bool(req.return_prompt_text))
-        return Built(engine_input, params, req.priority, req.session_id, spec)
+        built = Built(engine_input, params, req.priority, req.session_id, spec)
+        if self.frontend.parser_cls is not None:
+            from engine_core.chat_parsing import ChatParsing
+
+            prompt_ids = list(engine_input.get("prompt_token_ids") or ())
+            opts = req.stream_options
+            spec.parsing = ChatParsing(self.frontend, req, prompt_ids, whole=not req.stream,
+                                       count_reasoning_each_step=bool(opts and opts.include_usage
+                                                                      and opts.continuous_usage_stats))
+            built.core_fields = self.frontend.reasoning_request_fields(req, prompt_ids)
+        spec.constrained = params.structured_outputs is not None
+        return built
 
     def check_chat_template(self, chat_template: str | None, kwargs: dict | None) -> None:
         """A template sent with the request runs only where the operator trusts it
@@ -221,3 +250,15 @@ class RequestBuilder:
         # The gateway streams every request (a whole response is assembled there).
         params.output_kind = self._DELTA
         return params
+
+
+def request_builder(vllm_config, renderer, model) -> RequestBuilder:
+    """The builder for one served model (servectl's ``ModelConfig``: its chat settings), with
+    vLLM's OnlineRenderer and parsers made from them (chat_parsing.py)."""
+    from engine_core.chat_parsing import ChatFrontend
+
+    frontend = ChatFrontend(vllm_config.model_config, renderer, model,
+                            vllm_config.structured_outputs_config.reasoning_parser)
+    return RequestBuilder(vllm_config.model_config, renderer, frontend,
+                          trust_request_chat_template=model.trust_request_chat_template)
+

@@ -79,40 +79,49 @@ def continue_request(built, resume: P.Resume) -> list[int]:
     return prompt
 
 
-def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], resume: P.Resume) -> bool:
+def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], resume: P.Resume) -> list[str]:
     """Give the new request's detokenizer the old one's state: its text, its decoding position,
     and the offset the client reached in that text.
 
     The old lifetime's detokenizer is replayed (primed with the old prompt, fed the output
-    tokens, as vLLM did) and its decoding state moves into the new request's: a character
-    whose bytes the crash split between two tokens comes out whole, once, and text held
-    back for stop strings comes first. Returns whether it seeded (False when vLLM's
-    internals are not the expected ones: said in the log).
+    tokens one at a time, as vLLM did) and its decoding state moves into the new request's: a
+    character whose bytes the crash split between two tokens comes out whole, once, and text
+    held back for stop strings comes first. Returns each output token's text as the client
+    got it (cut at ``text_chars``: a chat parser replays them, chat_parsing.py); the state is
+    not moved when vLLM's internals are not the expected ones (said in the log).
     """
     if not resume.token_ids:
-        return False
-    state = getattr(getattr(engine, "output_processor", None), "request_states", {}).get(request_id)
-    detok = getattr(state, "detokenizer", None)
-    fast = hasattr(detok, "stream")
-    slow = all(hasattr(detok, a) for a in ("tokens", "prefix_offset", "read_offset"))
-    if not hasattr(detok, "output_text") or not hasattr(detok, "_last_output_text_offset") or not (fast or slow):
-        log.warning("request %s: vLLM's detokenizer is not the expected one; the continued text may differ at "
-                    "the seam", request_id)
-        return False
+        return []
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
+    state = getattr(getattr(engine, "output_processor", None), "request_states", {}).get(request_id)
+    detok = getattr(state, "detokenizer", None)
     # No stop strings in the replay: none matched before the restart, or it would have finished.
     params = SimpleNamespace(stop=None, min_tokens=0, include_stop_str_in_output=False,
                              skip_special_tokens=getattr(detok, "skip_special_tokens", True),
                              spaces_between_special_tokens=getattr(detok, "spaces_between_special_tokens", True))
     replay = IncrementalDetokenizer.from_new_request(tokenizer, SimpleNamespace(
         request_id=request_id, sampling_params=params, prompt_token_ids=list(prompt_ids), prompt_embeds=None))
-    replay.update(list(resume.token_ids), False)
+    texts = []
+    for token in resume.token_ids:
+        before = len(replay.output_text)
+        replay.update([token], False)
+        texts.append(replay.output_text[before:])
     text = replay.output_text
+    shown, cut = [], resume.text_chars
+    for piece in texts:
+        shown.append(piece[:max(cut, 0)])
+        cut -= len(piece)
+    fast = hasattr(detok, "stream")
+    slow = all(hasattr(detok, a) for a in ("tokens", "prefix_offset", "read_offset"))
+    if not hasattr(detok, "output_text") or not hasattr(detok, "_last_output_text_offset") or not (fast or slow):
+        log.warning("request %s: vLLM's detokenizer is not the expected one; the continued text may differ at "
+                    "the seam", request_id)
+        return shown
     if resume.text_chars > len(text):
         log.warning("request %s: the client has %d characters, the replay %d; not seeded", request_id,
                     resume.text_chars, len(text))
-        return False
+        return shown
     if fast:
         detok.stream = replay.stream
         if hasattr(replay, "last_special"):
@@ -121,4 +130,4 @@ def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], 
         detok.tokens, detok.prefix_offset, detok.read_offset = replay.tokens, replay.prefix_offset, replay.read_offset
     detok.output_text = text
     detok._last_output_text_offset = resume.text_chars
-    return True
+    return shown

@@ -50,9 +50,12 @@ class TokenizerEndpoints:
         if "messages" in body:
             req = TokenizeChatRequest.model_validate(body)
             self.builder.check_chat_template(req.chat_template, req.chat_template_kwargs)
+            # ServingTokenization.create_tokenize: the model's template and defaults, the tools rendered.
+            online = self.builder.frontend.online
             tokenize = is_mistral_tokenizer(self.renderer.tokenizer) or mc.enable_prompt_embeds
-            chat_params = req.build_chat_params(None, "auto").with_defaults(
-                merge_kwargs(None, dict(tools=None, tokenize=tokenize)))
+            tools = None if req.tools is None else [tool.model_dump() for tool in req.tools]
+            chat_params = req.build_chat_params(online.chat_template, online.chat_template_content_format).with_defaults(
+                merge_kwargs(online.default_chat_template_kwargs, dict(tools=tools, tokenize=tokenize)))
             _, engine_inputs = self.renderer.render_chat([req.messages], chat_params, bounded(req, mc))
         else:
             req = TokenizeCompletionRequest.model_validate(body)
@@ -78,8 +81,8 @@ class TokenizerEndpoints:
         from vllm.entrypoints.serve.tokenize.protocol import TokenizerInfoResponse
         from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo
 
-        # vLLM adds the server's --chat-template (servectl has none) to the tokenizer's own config.
-        info = TokenizerInfo(self.renderer.get_tokenizer(), None).to_dict()
+        # vLLM adds the server's --chat-template (the model's `chat_template`) to the tokenizer's config.
+        info = TokenizerInfo(self.renderer.get_tokenizer(), self.builder.frontend.online.chat_template).to_dict()
         return TokenizerInfoResponse(**info).model_dump()
 
 

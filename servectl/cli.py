@@ -466,11 +466,16 @@ def check_engine_args(cfg: C.Config) -> list[str]:
 
     problems = []
     for m in cfg.models:
+        chat = {"tool_call_parser": m.tool_call_parser, "tool_parser_plugin": m.tool_parser_plugin}
         proc = subprocess.run([sys.executable, "-m", "engine_core", "--check", "--engine-args",
-                               json.dumps(m.engine_args)], capture_output=True, text=True)
+                               json.dumps(m.engine_args), "--chat", json.dumps(chat)], capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
             problems.append(f"model {m.name}: {lines[-1] if lines else 'engine argument check failed'}")
+        else:
+            for line in proc.stdout.splitlines():  # the parsers it uses, as vLLM resolved them
+                if line.strip():
+                    say(err, f"model {m.name}: {line.strip()}")
     return problems
 
 

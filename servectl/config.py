@@ -135,6 +135,17 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     override_generation_config: dict[GenerationKey, int | float] = {}
     # Apply a chat template sent with a request (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # vLLM's chat flags (`vllm serve --enable-auto-tool-choice --tool-call-parser NAME ...`), applied
+    # where the engine renders and parses a chat (engine_core/chat_parsing.py). vLLM's
+    # `reasoning_parser` is an engine argument: it goes in engine_args.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # any name vLLM (or tool_parser_plugin) registers
+    tool_parser_plugin: str | None = None  # a Python file registering more tool-call parsers
+    tool_strict_level: Literal["auto", "function", "parameter"] = "auto"
+    chat_template: str | None = None  # a file, or the template itself (vLLM's --chat-template)
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] = {}
+    exclude_tools_when_tool_choice_none: bool = False
     # Idle release (None: [manager]'s default).
     idle_release_s: NonNegativeFloat | None = None
     idle_release: IdleRelease | None = None
@@ -176,6 +187,16 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     "enforce_eager": True,
     "kv_cache_memory_bytes": 256 * 1024 * 1024,
 }
+
+
+# The model keys that are `vllm serve` frontend flags (vLLM's FrontendArgs), refused in engine_args.
+FRONTEND_KEYS = frozenset({
+    "enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin", "tool_strict_level", "chat_template",
+    "chat_template_content_format", "default_chat_template_kwargs", "exclude_tools_when_tool_choice_none",
+    "trust_request_chat_template",
+})
+# What of a model's settings its answers depend on (output_identity), besides model and engine_args.
+_OUTPUT_KEYS = ("env", "override_generation_config", "tensor_parallel_size", *sorted(FRONTEND_KEYS))
 
 
 def default_model() -> ModelConfig:
@@ -259,7 +280,17 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ConfigError(f"config error{' in ' + str(path) if path else ''}: models: duplicate name(s) {sorted(dupes)}")
+    where = f" in {path}" if path else ""
     for m in cfg.models:
+        frontend = sorted(set(m.engine_args) & FRONTEND_KEYS)
+        if frontend:
+            key = frontend[0]
+            raise ConfigError(f"config error{where}: models.{m.name}.engine_args.{key}: `{key}` is a chat setting of "
+                              f"vLLM's OpenAI server, not an engine argument: set it on the model "
+                              f"(`{key} = ...` under [[models]])")
+        if m.enable_auto_tool_choice and not m.tool_call_parser:
+            raise ConfigError(f"config error{where}: models.{m.name}: enable_auto_tool_choice needs tool_call_parser "
+                              "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
     gw = cfg.gateway
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
@@ -285,15 +316,13 @@ def _keys(keys: list[str], key_file: str | None, kind: str, path: Path | None) -
 
 def output_identity(model: ModelConfig) -> str:
     """What a model's outputs depend on — its weights' path, engine arguments, environment,
-    generation defaults, tensor parallelism, chat-template trust — as a short digest: a request
+    generation defaults, tensor parallelism, its chat settings — as a short digest: a request
     that began on one never goes on on another (api_gateway/sequences.py). Idle release, holds,
     devices and autostart change no output and are left out."""
     import hashlib
 
-    terms = {"model": model.model, "engine_args": model.engine_args, "env": model.env,
-             "override_generation_config": model.override_generation_config,
-             "tensor_parallel_size": model.tensor_parallel_size,
-             "trust_request_chat_template": model.trust_request_chat_template}
+    terms = {"model": model.model, "engine_args": model.engine_args,
+             **{key: getattr(model, key) for key in _OUTPUT_KEYS}}
     return hashlib.sha256(msgspec.json.encode(terms, order="sorted")).hexdigest()[:16]
 
 

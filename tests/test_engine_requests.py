@@ -27,13 +27,12 @@ def builder(model_dir: Path = DEFAULT_MODEL_DIR, **model_keys):
     from vllm.renderers import renderer_from_config
 
     from engine_core.main import engine_args
-    from engine_core.requests import RequestBuilder
+    from engine_core.requests import request_builder
 
     model = ModelConfig(name="m", model=str(model_dir), engine_args={**DEFAULT_ENGINE_ARGS, "dtype": "float32"},
                         **model_keys)
     config = EngineArgs(model=model.model, **engine_args(model)).create_engine_config()
-    return RequestBuilder(config.model_config, renderer_from_config(config),
-                          trust_request_chat_template=model.trust_request_chat_template)
+    return request_builder(config, renderer_from_config(config), model)
 
 
 @pytest.fixture(scope="module")

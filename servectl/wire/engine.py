@@ -117,6 +117,12 @@ class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=Tr
     prompt_logprobs: list[Any] | None = None
     role: str | None = None  # chat: the role the answer speaks as
     prompt_text: str | None = None  # chat return_prompt_text: the templated prompt
+    # A chat its model's reasoning / tool-call parser parses: its deltas' ``message`` is what
+    # the client is shown (vLLM's JSON), not their ``text``.
+    parsed: bool = False
+    reasoning_usage: bool = False  # usage counts reasoning tokens (the model has a reasoning parser)
+    metadata_hidden: bool = False  # parsed with include_reasoning false: no token ids or logprobs shown
+    constrained: bool = False  # a grammar constrains the output: not continued across a restart
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
@@ -132,6 +138,11 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     # UTF-8 bytes or None], already chosen and clamped the way vLLM's API does for this request.
     logprobs: list[Any] | None = None
     prompt: PromptInfo | None = None  # on the request's first delta
+    # Parsed chats (PromptInfo.parsed): a stream's delta fields as vLLM streams them (None: vLLM
+    # shows nothing for these tokens), or a whole answer's message fields on its last delta.
+    # ``text`` is still the raw text (what a resumed choice continues from).
+    message: dict[str, Any] | None = None
+    reasoning_tokens: int | None = None  # the choice's reasoning tokens so far, where counted
 
 
 class StepOutput(_Msg, tag="step"):
