@@ -338,6 +338,42 @@ def daemon(tmp_path_factory):
                    api_key=SHARED_API_KEY)
 
 
+TOOLS_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "tools"
+# The tool-calling models (issue 31), configured as `vllm serve` would be with the same flags:
+# `tools` (the bundled tool-calling model: hermes calls, qwen3 reasoning) and `default-hermes`
+# (the default model with a tool parser: constrained calls under `required` / a named choice).
+TOOL_MODELS = {
+    "tools": (TOOLS_MODEL_DIR, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--reasoning-parser", "qwen3"], 2048),
+    "default-hermes": (DEFAULT_MODEL_DIR, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], 512),
+}
+TOOLS_CONFIG = f"""[manager]
+warm_standby = false
+[[models]]
+name = "tools"
+model = "{TOOLS_MODEL_DIR}"
+enable_auto_tool_choice = true
+tool_call_parser = "hermes"
+[models.engine_args]
+dtype = "float32"
+reasoning_parser = "qwen3"
+[[models]]
+name = "default-hermes"
+model = "{DEFAULT_MODEL_DIR}"
+enable_auto_tool_choice = true
+tool_call_parser = "hermes"
+[models.engine_args]
+dtype = "float32"
+"""
+
+
+@pytest.fixture(scope="session")
+def tools_daemon(tmp_path_factory):
+    """The tool-calling tests' daemon (no kills, no reconfiguring): both TOOL_MODELS."""
+    with DaemonFactory(tmp_path_factory, "tools") as make:
+        yield make(TOOLS_CONFIG)
+
+
 def requests_running(d: "Daemon", model: str | None = None) -> float:
     """``servectl_requests_running`` (the engines' unfinished requests) plus
     ``servectl_requests_waiting`` (sequences the gateways hold), for one model or all."""

@@ -156,3 +156,17 @@ def test_chat_settings_are_model_keys_not_engine_args(tmp_path):
                                                                                               "qwen3")
     plain = msgspec.structs.replace(m, tool_call_parser="pythonic")
     assert C.output_identity(plain) != C.output_identity(m)  # a resumed request never changes parser
+
+
+def test_the_tools_cell_summarises_rounds_as_median_and_spread():
+    from bench import tools as B
+
+    def cell(tps):
+        return {"output_throughput": tps, "requests_per_s": tps / 50, "median_ttft_ms": 10.0, "median_e2e_ms": 90.0}
+
+    rounds = {"vllm serve": [{"1": cell(100.0)}, {"1": cell(120.0)}, {"1": cell(110.0)}],
+              "servectl": [{"1": cell(99.0)}, {"1": cell(130.0)}, {"1": cell(121.0)}]}
+    s = B.summarize(rounds)
+    assert s["servectl"]["1"]["output_throughput"] == {"median": 121.0, "min": 99.0, "max": 130.0}
+    md = B.markdown({"summary": s, "date": "d", "rounds": 3, "machine": {"cpu": "x", "cores": 2}})
+    assert "| c=1 | output_throughput | 110.0 [100.0–120.0] | 121.0 [99.0–130.0] | 1.10× |" in md

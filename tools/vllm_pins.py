@@ -66,6 +66,22 @@ PINS = [
         attr="request_states"),
     Pin("RequestState.detokenizer", "vllm.v1.engine.output_processor:RequestState.__init__",
         "engine_core/resume.py seed_detokenizer moves the replayed detokenizer's state into it", attr="detokenizer"),
+    Pin("OpenAIServingChat.chat_completion_full_generator",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator",
+        "engine_core/chat_parsing.py ChatParsing._whole_message mirrors its message fields and finish reason"),
+    Pin("OpenAIServingChat.chat_completion_stream_generator",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_stream_generator",
+        "engine_core/chat_parsing.py ChatParsing._stream mirrors its parse_delta call and finish reason; "
+        "api_gateway/accumulator.py which chunks it sends and hides"),
+    Pin("OpenAIServingChat._engine_reasoning_kwargs",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat._engine_reasoning_kwargs",
+        "engine_core/chat_parsing.py ChatFrontend.reasoning_request_fields mirrors it"),
+    Pin("AsyncLLM.add_request", "vllm.v1.engine.async_llm:AsyncLLM.add_request",
+        "engine_core/requests.py Built.add_to sets reasoning_ended / reasoning_parser_kwargs as it does"),
+    Pin("ServingTokenization.create_tokenize", "vllm.entrypoints.serve.tokenize.serving:ServingTokenization.create_tokenize",
+        "engine_core/tokenizing.py TokenizerEndpoints.tokenize mirrors its chat rendering (template, tools)"),
+    Pin("OnlineRenderer.preprocess_chat", "vllm.renderers.online_renderer:OnlineRenderer.preprocess_chat",
+        "engine_core/chat_parsing.py _SyncRenderer stands in for the renderer it awaits (render_chat_async)"),
 ]
 
 
