@@ -199,8 +199,8 @@ class ResponseAccumulator:
 
     def _chat_openers(self, info: PromptInfo, created: int) -> list[H.ChatCompletionChunk]:
         """vLLM's first chunks of a chat stream: the role of every choice, then every choice's echo."""
-        usage = H.Usage(prompt_tokens=info.tokens, completion_tokens=0, total_tokens=info.tokens) \
-            if self.continuous_usage else None
+        usage = H.Usage(prompt_tokens=info.tokens, completion_tokens=0, total_tokens=info.tokens,
+                        completion_tokens_details=self._details(0)) if self.continuous_usage else None
         out = [H.ChatCompletionChunk(
             id=self.id, object="chat.completion.chunk", created=created, model=self.model, usage=usage,
             prompt_token_ids=info.token_ids if self.return_token_ids else None, prompt_text=info.prompt_text,

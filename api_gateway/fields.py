@@ -74,8 +74,8 @@ OPENAI_ONLY: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
         "best_of": ("best_of is not supported (vLLM 0.32 removed it)", (1,)),
     },
     "chat": {
-        "functions": (_FUNCTIONS, ()),
-        "function_call": (_FUNCTIONS, ()),
+        "functions": (_FUNCTIONS, ([],)),
+        "function_call": (_FUNCTIONS, ("none",)),
         "audio": ("audio output is not supported", ()),
         "modalities": ("only text output is supported", (["text"],)),
         "prediction": ("predicted outputs are not supported", ()),

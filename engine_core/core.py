@@ -374,9 +374,14 @@ class EngineServer:
             prompt_ids = continue_request(built, msg.resume) if msg.resume is not None else None
             internal_id = built.add_to(self.engine, rid)
             if msg.resume is not None:
-                texts = seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
-                if built.spec.parsing is not None:
-                    built.spec.parsing.replay(0, texts, list(msg.resume.token_ids))
+                try:
+                    texts = seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
+                    if built.spec.parsing is not None:
+                        built.spec.parsing.replay(0, texts, list(msg.resume.token_ids))
+                except Exception as exc:  # not the client's request: the continuation failed
+                    log.exception("request %s: continuing its output failed", rid)
+                    raise BadRequest(f"this answer cannot be continued on the restarted engine "
+                                     f"({type(exc).__name__})", status=503) from None
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)

@@ -232,13 +232,15 @@ def check_engine_args(engine_args: dict[str, Any], chat: dict[str, Any] | None =
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
-    try:
-        if chat.get("tool_parser_plugin"):
-            ToolParserManager.import_tool_parser(chat["tool_parser_plugin"])
-    except Exception as exc:  # noqa: BLE001 - the plugin's own error, in one line
-        print(f"tool_parser_plugin {chat['tool_parser_plugin']!r} cannot be imported: {one_line(str(exc))}",
-              file=sys.stderr)
-        return 2
+    for key, path, load in (("tool_parser_plugin", chat.get("tool_parser_plugin"), ToolParserManager.import_tool_parser),
+                            ("engine_args.reasoning_parser_plugin", engine_args.get("reasoning_parser_plugin"),
+                             ReasoningParserManager.import_reasoning_parser)):
+        try:
+            if path:
+                load(path)
+        except Exception as exc:  # noqa: BLE001 - the plugin's own error, in one line
+            print(f"{key} {path!r} cannot be imported: {one_line(str(exc))}", file=sys.stderr)
+            return 2
     for key, name, known in (("tool_call_parser", chat.get("tool_call_parser"), ToolParserManager.list_registered()),
                              ("engine_args.reasoning_parser", engine_args.get("reasoning_parser"),
                               ReasoningParserManager.list_registered())):

@@ -41,6 +41,8 @@ class OutputFormatter:
                     comp.index, comp.text, list(comp.token_ids), comp.finish_reason)
                 if parsing.hides_metadata:
                     delta.logprobs = None
+                if spec.echo and parsing.whole and delta.message is not None and delta.message.get("content") is None:
+                    delta.message["content"] = ""  # vLLM's echo: last message + (content or "")
             if first:
                 delta.prompt = self.prompt_info(ro, spec)
                 first = False

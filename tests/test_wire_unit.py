@@ -283,7 +283,8 @@ def test_delta_travels_as_an_array_in_field_order():
 
 
 def test_protocol_versions():
-    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 2  # 2: Generate carries vLLM request fields
+    # 2: Generate carries vLLM request fields; 3: a parsed chat's deltas carry vLLM's JSON (Delta.message)
+    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 3
 
 
 # ---- what a receiver must survive ------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaults=True):
