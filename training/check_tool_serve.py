@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     # Streamed: tool call deltas assemble to the same call.
     stream = client.chat.completions.create(model=model, messages=[sysmsg, q], tools=[WEATHER_TOOL, ADD_TOOL],
                                             temperature=0, max_tokens=200, stream=True)
-    name, arg_text, finish, reasoning_parts = None, "", None, []
+    calls: dict[int, list[str]] = {}  # index -> [name, arguments text]
+    finish, reasoning_parts = None, []
     for chunk in stream:
         if not chunk.choices:
             continue
@@ -98,18 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         if r:
             reasoning_parts.append(r)
         for t in d.tool_calls or []:
+            slot = calls.setdefault(t.index, ["", ""])
             if t.function and t.function.name:
-                name = t.function.name
+                slot[0] = t.function.name
             if t.function and t.function.arguments:
-                arg_text += t.function.arguments
+                slot[1] += t.function.arguments
         finish = ch.finish_reason or finish
-    print(json.dumps({"stream_name": name, "stream_args": arg_text, "finish": finish,
-                      "stream_reasoning": "".join(reasoning_parts)}))
+    print(json.dumps({"stream_calls": calls, "finish": finish, "stream_reasoning": "".join(reasoning_parts)}))
     try:
-        sargs = json.loads(arg_text)
+        got = [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())]
     except ValueError:
-        sargs = None
-    check(name == "get_weather" and sargs == {"city": "Buenos Aires"} and finish == "tool_calls",
+        got = None
+    check(got == [("get_weather", {"city": "Buenos Aires"})] and finish == "tool_calls",
           "streamed: the same tool call")
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0

