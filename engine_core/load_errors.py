@@ -39,6 +39,7 @@ PERMANENT_PHRASES = (
     "is not a local folder and is not a valid model identifier",
     "out of memory",  # CUDA / torch allocators
     "can't allocate memory", "cannot allocate memory",  # torch's CPU allocator
+    "reasoning parser could not locate",  # a reasoning parser whose tags the tokenizer lacks (vLLM's config)
 )
 
 
