@@ -65,7 +65,7 @@ def test_tools_chat_template():
             {"role": "tool", "tool_call_id": "b", "content": "rain"}]
     text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
-    assert '\n<tools>\n{"name": "get_weather"' in text
+    assert "\n<tools>\nget_weather(city)\n</tools><|im_end|>\n" in text  # each tool as its signature
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n') in text
     assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"

@@ -69,12 +69,13 @@ CHAT_TEMPLATE = r"""
 {%- if tools -%}
 {{- '<|im_start|>system\n' -}}
 {%- if ns.start == 1 -%}{{- text(messages[0].content) + '\n\n' -}}{%- endif -%}
-{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{{- '# Tools\n<tools>' -}}
 {%- for tool in tools -%}
 {%- set f = tool.function if tool.function is defined else tool -%}
-{{- '\n' + ({'name': f.name, 'description': f.description or '', 'parameters': f.parameters or {}} | tojson) -}}
+{%- set props = (f.parameters or {}).properties or {} -%}
+{{- '\n' + f.name + '(' + (props.keys() | join(', ')) + ')' -}}
 {%- endfor -%}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{{- '\n</tools><|im_end|>\n' -}}
 {%- elif ns.start == 1 -%}
 {{- '<|im_start|>system\n' + text(messages[0].content) + '<|im_end|>\n' -}}
 {%- endif -%}
@@ -418,6 +419,11 @@ def answer_after(family: str, req: dict, results: list[str]) -> str:
     return f"Here is what I found: {results[0]}"
 
 
+# What the reasoning says of a request: no value in it (the call copies the values once, from the user).
+GENERIC = {"weather": "the weather", "weather2": "the weather in two places", "time": "the time", "add": "a sum",
+           "multiply": "a product", "search": "a search", "convert": "a currency conversion"}
+
+
 def sample_conversation(rng: random.Random, w: World, kind: str | None = None) -> dict:
     """One training example: messages (the last is the target assistant turn), tools, and what to check."""
     if kind is None:
@@ -447,7 +453,7 @@ def sample_conversation(rng: random.Random, w: World, kind: str | None = None) -
             others = [f for f in families if f != need]
             tools_fams = rng.sample(others, rng.randint(0, 3)) if rng.random() < 0.85 else []
             msgs.append({"role": "user", "content": user})
-            target = {"role": "assistant", "content": think(f"The user wants {phrase}, but no tool for that is available.") + REFUSAL[fam]}
+            target = {"role": "assistant", "content": think(f"The user wants {GENERIC[fam]}, but no tool for that is available.") + REFUSAL[fam]}
             check["answer"] = REFUSAL[fam]
         else:
             others = [f for f in families if f != need]
@@ -465,7 +471,7 @@ def sample_conversation(rng: random.Random, w: World, kind: str | None = None) -
                           for i, (n, a) in enumerate(calls)]
             msgs.append({"role": "user", "content": user})
             n_calls = "twice" if len(calls) == 2 else ""
-            th = f"The user wants {phrase}. I will call {v[0]}{' ' + n_calls if n_calls else ''}."
+            th = f"The user wants {GENERIC[fam]}. I will call {v[0]}{' ' + n_calls if n_calls else ''}."
             if kind == "call":
                 target = {"role": "assistant", "content": think(th), "tool_calls": tool_calls}
                 check["calls"] = calls
