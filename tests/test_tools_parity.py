@@ -78,7 +78,7 @@ ERRORS = [
     (CC, {"messages": ASK, "tool_choice": "required"}),
     (CC, {"messages": ASK, "tools": [{"type": "function"}]}),
     (CC, {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function"}}),
-    (CC, {"messages": [{"role": "tool", "content": "x"}], "tools": [WEATHER]}),
+    (CC, {"messages": ASK, "tools": "get_weather"}),
 ]
 
 
