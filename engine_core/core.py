@@ -33,7 +33,7 @@ from engine_core.coalesce import HeldOutput
 from engine_core.idle import IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
-from engine_core.resume import continue_request, seed_detokenizer
+from engine_core.resume import add_continued
 from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.workers import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
@@ -371,17 +371,10 @@ class EngineServer:
             return
         try:
             built = self._build(msg)
-            prompt_ids = continue_request(built, msg.resume) if msg.resume is not None else None
-            internal_id = built.add_to(self.engine, rid)
-            if msg.resume is not None:
-                try:
-                    texts = seed_detokenizer(self.engine, internal_id, self.tokenizer, prompt_ids, msg.resume)
-                    if built.spec.parsing is not None:
-                        built.spec.parsing.replay(0, texts, list(msg.resume.token_ids))
-                except Exception as exc:  # not the client's request: the continuation failed
-                    log.exception("request %s: continuing its output failed", rid)
-                    raise BadRequest(f"this answer cannot be continued on the restarted engine "
-                                     f"({type(exc).__name__})", status=503) from None
+            if msg.resume is None:
+                built.add_to(self.engine, rid)
+            else:
+                add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)

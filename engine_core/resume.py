@@ -131,3 +131,23 @@ def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], 
     detok.output_text = text
     detok._last_output_text_offset = resume.text_chars
     return shown
+
+
+def add_continued(engine, tokenizer, request_id: str, built, resume: P.Resume) -> None:
+    """Add a freshly built request to vLLM as the continuation of one choice: its prompt and
+    sampling made the continuation's (``continue_request``), the old detokenizer's state seeded
+    into the new one and, for a parsed chat, the client's output replayed through its parser.
+    A failure after the request was made is not the client's: a 503, it cannot be continued."""
+    from engine_core.requests import BadRequest
+
+    prompt_ids = continue_request(built, resume)
+    internal_id = built.add_to(engine, request_id)
+    try:
+        texts = seed_detokenizer(engine, internal_id, tokenizer, prompt_ids, resume)
+        if built.spec.parsing is not None:
+            built.spec.parsing.replay(0, texts, list(resume.token_ids))
+    except Exception as exc:
+        log.exception("request %s: continuing its output failed", request_id)
+        raise BadRequest(f"this answer cannot be continued on the restarted engine ({type(exc).__name__})",
+                         status=503) from None
+
