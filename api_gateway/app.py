@@ -38,6 +38,7 @@ from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
+from api_gateway.passthrough import MESSAGES_PREFIX, ApiEndpoints, anthropic_error_body
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
@@ -53,9 +54,10 @@ access_log = logging.getLogger("api_gateway.access")
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
-def error_response(exc: HttpError) -> web.Response:
-    resp = web.Response(status=exc.status, body=http_error_body(exc), content_type="application/json",
-                        headers=exc.headers)
+def error_response(exc: HttpError, path: str = "") -> web.Response:
+    """The error in the shape of the API asked: Anthropic's on /v1/messages, else OpenAI's."""
+    body = anthropic_error_body(exc) if path.startswith(MESSAGES_PREFIX) else http_error_body(exc)
+    resp = web.Response(status=exc.status, body=body, content_type="application/json", headers=exc.headers)
     if exc.status in (408, 413):
         resp.force_close()  # the body was not read: the connection cannot carry another request
     return resp
@@ -88,6 +90,7 @@ class Gateway:
         self.keys = KeyRing(self.cfg.api_keys, self.cfg.admin_keys)
         self.manager.on_api_keys = self.set_api_keys
         self.admin = AdminRoutes(self)
+        self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
         self.created = int(time.time())
@@ -141,7 +144,7 @@ class Gateway:
             self.access(request, 499, started, rid)
             raise
         except HttpError as exc:
-            response = error_response(exc)
+            response = error_response(exc, request.path)
         except web.HTTPException as exc:
             status = exc.status
             message = {404: f"no route for {request.method} {request.path}",
@@ -151,7 +154,7 @@ class Gateway:
                                     headers={k: v for k, v in exc.headers.items() if k == "Allow"})
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
-            response = error_response(HttpError(500, "internal error", "internal_error"))
+            response = error_response(HttpError(500, "internal error", "internal_error"), request.path)
         if not response.prepared:
             response.headers["X-Request-Id"] = rid
             response.headers.update(request.get("extra_headers", {}))
@@ -171,9 +174,12 @@ class Gateway:
     def check_auth(self, request: web.Request) -> None:
         # Header values arrive decoded with surrogateescape: encode them back the same way,
         # so bytes that are not UTF-8 are just a wrong key.
-        header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if self.keys.access(bearer_token(header)) is Access.NONE:  # an admin key is an API key too
-            raise HttpError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
+        header = request.headers.get("Authorization")
+        # Anthropic's SDK sends its key as x-api-key (`vllm serve` reads only Authorization).
+        token = bearer_token(header.encode("utf-8", "surrogateescape")) if header is not None else \
+            request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+        if self.keys.access(token) is Access.NONE:  # an admin key is an API key too
+            raise HttpError(401, "missing or invalid API key (send `Authorization: Bearer <key>` or `x-api-key`)",
                             "authentication_error", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
 
@@ -370,6 +376,7 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        self.apis.add_to(app)
         self.admin.add_to(app)
         return app
 

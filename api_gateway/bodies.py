@@ -26,7 +26,8 @@ from servectl.config import GatewayConfig
 log = logging.getLogger("api_gateway")
 
 TYPES = {"completion": H.CompletionRequest, "chat": H.ChatCompletionRequest, "tokenize": H.TokenizeRequest,
-         "detokenize": H.DetokenizeRequest}
+         "detokenize": H.DetokenizeRequest, "responses": H.PassthroughRequest, "messages": H.PassthroughRequest,
+         "count_tokens": H.PassthroughRequest}
 
 
 async def read_body(request: web.Request, cfg: GatewayConfig, endpoint: str):
@@ -60,7 +61,7 @@ async def read_body(request: web.Request, cfg: GatewayConfig, endpoint: str):
         # Client-given names: escaped and capped for the log line and the header alike.
         shown = [escape(k, 64).encode("ascii", "backslashreplace").decode() for k in sorted(unknown)[:16]]
         names = ", ".join(shown) + (f", ... ({len(unknown)} in all)" if len(unknown) > 16 else "")
-        log.warning("%s %s: ignored field(s) neither OpenAI nor vLLM defines: %s (rid=%s)", escape(request.method),
+        log.warning("%s %s: ignored field(s) (unknown, or ignored by vLLM): %s (rid=%s)", escape(request.method),
                     escape(request.path), names, request["request_id"])
         request.setdefault("extra_headers", {})[IGNORED_HEADER] = names
     try:

@@ -16,6 +16,10 @@ Every field of a request body is one of:
 - **unknown**: anything else. Accepted (clients send extras), but named in a
   warning log line and the ``x-servectl-ignored-fields`` response header.
 
+The Responses and Messages endpoints take vLLM's class whole in the engine
+(``API_FIELDS``: every field not refused); a field vLLM itself ignores there
+(``VLLM_IGNORES``: ``store``) is forwarded and named in that header too.
+
 docs/api.md lists every field of vLLM's classes with its class here;
 tests/test_api_fields_unit.py holds this module, the docs and
 docs/vllm_fields.json (generated from vLLM) to each other.
@@ -66,6 +70,23 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
         "mm_processor_kwargs": (_MM, ({},)),
     },
     "detokenize": {},
+    "responses": {
+        "background": ("background responses need vLLM's response store, which servectl does not keep (`vllm "
+                       "serve` refuses them too, unless VLLM_ENABLE_RESPONSES_API_STORE is set)", (False,)),
+        "kv_transfer_params": (_DISAGG, ()),
+        "ec_transfer_params": (_DISAGG, ()),
+        "media_io_kwargs": (_MM, ({},)),
+        "mm_processor_kwargs": (_MM, ({},)),
+        "mm_payload": (_RENDER, ("tensors",)),
+        "return_mm_kwargs": (_RENDER, ()),
+    },
+    "messages": {
+        "kv_transfer_params": (_DISAGG, ()),
+        "ec_transfer_params": (_DISAGG, ()),
+        "mm_payload": (_RENDER, ("tensors",)),
+        "return_mm_kwargs": (_RENDER, ()),
+    },
+    "count_tokens": {},
 }
 
 # OpenAI API fields that vLLM's classes do not define.
@@ -109,9 +130,39 @@ TOKENIZE_FIELDS = {
 }
 
 
+# Requests that vLLM's own serving classes take whole, in the engine (engine_core/serving_apis.py):
+# every field of the class that is not refused is forwarded as sent, and vLLM validates it.
+API_FIELDS = {
+    "responses": (
+        "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model", "logit_bias",
+        "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "include_reasoning", "service_tier",
+        "store", "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "top_k", "min_p",
+        "truncation", "user", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+        "frequency_penalty", "prompt_cache_key", "watermarking", "request_id", "session_id", "priority",
+        "cache_salt", "enable_response_messages", "previous_input_messages", "structured_outputs",
+        "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "vllm_xargs", "chat_template_kwargs",
+    ),
+    "messages": (
+        "model", "messages", "max_tokens", "metadata", "output_config", "thinking", "stop_sequences", "stream",
+        "system", "temperature", "tool_choice", "tools", "top_k", "top_p", "cache_salt", "watermarking",
+        "vllm_xargs", "chat_template_kwargs",
+    ),
+    "count_tokens": (
+        "model", "messages", "output_config", "system", "thinking", "tool_choice", "tools", "chat_template_kwargs",
+    ),
+}
+# Forwarded, and named in the ignored-fields header where set: vLLM ignores them itself.
+VLLM_IGNORES: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
+    "responses": {
+        "store": ("vLLM keeps no responses (VLLM_ENABLE_RESPONSES_API_STORE is off): nothing is stored", (False,)),
+    },
+}
+
+
 _SUPPORTED = {
     **{endpoint: frozenset(f.encode_name for f in msgspec.structs.fields(typ)) for endpoint, typ in TYPES.items()},
     **{f"tokenize:{variant}": frozenset(names) for variant, names in TOKENIZE_FIELDS.items()},
+    **{endpoint: frozenset(names) for endpoint, names in API_FIELDS.items()},
 }
 
 
@@ -139,9 +190,12 @@ def classify(endpoint: str, raw: dict[str, Any]) -> tuple[dict[str, Any], list[s
     no_effect = NO_EFFECT.get(endpoint, {})
     forward: dict[str, Any] = {}
     unknown: list[str] = []
+    ignores = VLLM_IGNORES.get(endpoint, {})
     for key, value in raw.items():
         if key in names:
             forward[key] = value
+            if key in ignores and not _asks_for_nothing(value, ignores[key][1]):
+                unknown.append(key)
         elif key in LEGACY_GUIDED:
             if value is not None:
                 raise HttpError(400, f"`{key}` was removed from vLLM's API and would leave the output "

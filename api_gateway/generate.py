@@ -124,14 +124,17 @@ class Generator:
     def observe(self, request: web.Request, model: str, acc: ResponseAccumulator, started: float) -> None:
         """The access log's token counts and the latency metrics of one finished request."""
         usage = acc.usage()
-        first_token = acc.first_token_at
         request["log"].update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+        self.observe_counts(model, usage.prompt_tokens, usage.completion_tokens, started, acc.first_token_at)
+
+    def observe_counts(self, model: str, prompt: int, completion: int, started: float,
+                       first_token: float | None) -> None:
         m = self.metrics
-        m.prompt_tokens.labels(model=model).inc(usage.prompt_tokens)
-        m.generation_tokens.labels(model=model).inc(usage.completion_tokens)
+        m.prompt_tokens.labels(model=model).inc(prompt)
+        m.generation_tokens.labels(model=model).inc(completion)
         now = time.monotonic()
         m.e2e.labels(model=model).observe(now - started)
         if first_token is not None:
             m.ttft.labels(model=model).observe(first_token - started)
-            if usage.completion_tokens > 1:
-                m.itl.labels(model=model).observe((now - first_token) / (usage.completion_tokens - 1))
+            if completion > 1:
+                m.itl.labels(model=model).observe((now - first_token) / (completion - 1))

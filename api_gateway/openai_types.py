@@ -325,6 +325,14 @@ class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
     prompt_text: str | None = None
 
 
+class PassthroughRequest(Struct, kw_only=True):
+    """What the gateway reads of a request vLLM's serving classes take whole in the engine
+    (Responses, Messages, count_tokens; api_gateway/passthrough.py): vLLM checks the rest."""
+
+    model: str | None = None
+    stream: bool | None = False
+
+
 class ModelCard(Struct, kw_only=True):
     id: str
     object: str = "model"

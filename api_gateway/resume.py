@@ -39,6 +39,27 @@ EXACT = frozenset({
 })
 
 
+# The same for the requests vLLM's serving classes take whole (Responses, Messages: the fields
+# they become in vLLM's sampling and prompt; a format in `text` / `output_config` is a grammar,
+# which the engine reports as ``constrained``). Not named: watermarking, vllm_xargs.
+EXACT_API = {
+    "responses": frozenset({
+        "model", "input", "instructions", "max_output_tokens", "metadata", "logit_bias", "parallel_tool_calls",
+        "previous_response_id", "prompt", "reasoning", "include_reasoning", "service_tier", "store", "stream",
+        "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "top_k", "min_p", "truncation", "user",
+        "skip_special_tokens", "include_stop_str_in_output", "prompt_cache_key", "request_id", "session_id",
+        "priority", "cache_salt", "enable_response_messages", "previous_input_messages", "repetition_penalty",
+        "stop", "stop_token_ids", "ignore_eos", "chat_template_kwargs", "include", "max_tool_calls",
+        "seed", "presence_penalty", "frequency_penalty", "structured_outputs", "text",
+    }),
+    "messages": frozenset({
+        "model", "messages", "max_tokens", "metadata", "stop_sequences", "stream", "system", "temperature",
+        "tool_choice", "tools", "top_k", "top_p", "cache_salt", "chat_template_kwargs", "output_config",
+        "thinking",  # exact unless it sets a budget (why_not_exact)
+    }),
+}
+
+
 def why_not_exact(gen: EP.Generate, constrained: bool = False) -> str | None:
     """Why a new engine could not continue this request's output exactly, or None if it can.
     ``constrained``: the engine said a grammar constrains it (a `required` or named tool choice,
@@ -49,13 +70,17 @@ def why_not_exact(gen: EP.Generate, constrained: bool = False) -> str | None:
     rf = b.get("response_format")
     if b.get("structured_outputs") is not None or (isinstance(rf, dict) and rf.get("type") not in (None, "text")):
         return "structured output (the grammar's state is not carried over)"
+    thinking = b.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return "a thinking budget (it counts the output so far)"
     for name in ("presence_penalty", "frequency_penalty"):
         if b.get(name):
             return f"{name} (it counts output tokens only; continued output would be prompt)"
     temperature = b.get("temperature")
     if b.get("seed") is not None and (temperature is None or temperature > 0):
         return "seeded sampling (the sampler's random state is not carried over)"
-    unknown = sorted(k for k, v in b.items() if k not in EXACT and v is not None)
+    exact = EXACT_API.get(gen.kind, EXACT)
+    unknown = sorted(k for k, v in b.items() if k not in exact and v is not None)
     if unknown:
         return f"{unknown[0]} (not known to continue exactly)"
     return None
@@ -67,6 +92,9 @@ class Choice:
     text_chars: int = 0  # characters of output text passed on (echo not counted)
     started: bool = False  # a delta of it was passed on
     finished: bool = False
+    # Responses / Messages: the deltas passed on, as they came (what the engine's serving code is
+    # fed again to go on: Resume.deltas); None where not kept.
+    deltas: list[EP.ReplayedDelta] | None = None
 
 
 class CannotContinue(Exception):
@@ -99,9 +127,10 @@ def plan(gens: list[EP.Generate], choices: list[list[Choice]], new_id, whole_ans
                 if not whole_answer:
                     raise CannotContinue(reason)
                 restart(pi, index)
-                mine[index] = c = Choice()
+                mine[index] = c = Choice(deltas=[] if c.deltas is not None else None)
             resumed = copy.copy(gen)  # the engine shows no prompt (echo) for it: the client has it
             resumed.request_id = new_id()
-            resumed.resume = EP.Resume(index=index, token_ids=list(c.tokens), text_chars=c.text_chars)
+            resumed.resume = EP.Resume(index=index, token_ids=list(c.tokens), text_chars=c.text_chars,
+                                       deltas=list(c.deltas or ()))
             out.append((pi, resumed))
     return out

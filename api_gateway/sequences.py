@@ -73,6 +73,7 @@ class RequestRun:
         self.restart = restart  # the response forgets a choice that runs again from its start
         self.choices = [[Choice() for _ in range(n)] for _ in gens]
         self.constrained = [False] * len(gens)  # the engine said a grammar constrains the prompt's output
+        self.keep_deltas = False  # Responses / Messages: each choice's deltas are kept (Choice.deltas)
         self.restarts = 0
         # Encoded now, before anything is registered: a request that cannot be sent is a 400.
         self.frames = [encode_generate(g) for g in gens]
@@ -172,6 +173,10 @@ class RequestRun:
         c.started = True
         c.tokens.extend(d.token_ids)
         c.text_chars += len(d.text)
+        if self.keep_deltas:
+            if c.deltas is None:
+                c.deltas = []
+            c.deltas.append(EP.ReplayedDelta(d.text, list(d.token_ids)))
         if d.finish_reason is not None:
             c.finished = True
 

@@ -76,6 +76,11 @@ class ChatFrontend:
             ToolParserManager.import_tool_parser(settings.tool_parser_plugin)
         self.enable_auto_tools = settings.enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser or None
+        # vLLM's serving classes are built from the same flags (serving_apis.py).
+        self.tool_parser = settings.tool_call_parser
+        self.tool_strict_level = settings.tool_strict_level
+        self.chat_template_content_format = settings.chat_template_content_format
+        self.default_chat_template_kwargs = dict(settings.default_chat_template_kwargs) or None
         self.online = OnlineRenderer(
             model_config=model_config, renderer=_SyncRenderer(renderer), request_logger=None,
             chat_template=load_chat_template(settings.chat_template),
@@ -85,7 +90,7 @@ class ChatFrontend:
             exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none,
             tool_parser=settings.tool_call_parser, tool_strict_level=settings.tool_strict_level,
             reasoning_parser=self.reasoning_parser,
-            default_chat_template_kwargs=dict(settings.default_chat_template_kwargs) or None)
+            default_chat_template_kwargs=self.default_chat_template_kwargs)
         self.parser_cls = self.online.parser
         self.model_config = model_config
         self.tokenizer = renderer.tokenizer

@@ -72,7 +72,8 @@ class EngineServer:
     def builder(self):
         from engine_core.requests import request_builder
 
-        return request_builder(self.engine.vllm_config, self.engine.renderer, self.spec.model)
+        return request_builder(self.engine.vllm_config, self.engine.renderer, self.spec.model,
+                               getattr(self.engine, "input_processor", None))
 
     @functools.cached_property
     def tokenizer_endpoints(self):
@@ -397,7 +398,7 @@ class EngineServer:
             log.exception("dropping request %s", rid)
 
     def _build(self, msg: P.Generate) -> Built:
-        return self.builder.build(msg.kind, msg.body)
+        return self.builder.build(msg.kind, msg.body, msg.answer_id or msg.request_id)
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -413,6 +414,9 @@ class EngineServer:
         """The one place a request's state goes: its record, its gateway's index entry, its held output."""
         req = self.requests.pop(rid, None)
         if req is not None:
+            api = getattr(req.spec, "api", None)
+            if api is not None:  # a Responses / Messages request's serving code (serving_apis.py)
+                api.close()
             mine = self.by_peer.get(req.peer)
             if mine is not None:
                 mine.discard(rid)
@@ -503,6 +507,9 @@ class EngineServer:
                 if spec.whole and not first:  # the first goes at once: it times the first token
                     deltas = self.held.take(rid, deltas, ro.finished, now)
                 batches[peer].extend(deltas)
+            except BadRequest as bad:  # vLLM's serving code answered with its error (serving_apis.py)
+                self._fail(peer, rid, str(bad), bad.status, bad.param)
+                continue
             except Exception as exc:  # this request's output only: it fails, the others go on
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
@@ -513,7 +520,7 @@ class EngineServer:
             if deltas:  # (all of a gateway's may be held)
                 self._send(peer, P.StepOutput(incarnation=self.spec.incarnation, deltas=deltas))
 
-    def _fail(self, peer: bytes, rid: str, message: str) -> None:
+    def _fail(self, peer: bytes, rid: str, message: str, status: int = 500, param: str | None = None) -> None:
         self._drop(rid)
         self._forget(rid)
-        self._refuse(peer, rid, message, 500)
+        self._refuse(peer, rid, message, status, param)

@@ -28,6 +28,8 @@ class OutputFormatter:
 
     def deltas(self, ro, spec: OutputSpec, first: bool) -> list[P.Delta]:
         """One delta per choice with new output in ``ro``; the first one of a request carries its prompt."""
+        if spec.api is not None:  # a Responses / Messages request: vLLM's serving code shows it
+            return spec.api.deltas(ro, first)
         out = []
         for comp in ro.outputs:
             delta = P.Delta(request_id=ro.request_id, index=comp.index, text=comp.text,

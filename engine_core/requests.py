@@ -82,6 +82,8 @@ class OutputSpec:
     # chat with a reasoning or tool-call parser (chat_parsing.ChatParsing): what each choice shows
     parsing: Any = None
     constrained: bool = False  # a grammar constrains the output (it does not carry over a restart)
+    # a Responses or Messages request (serving_apis.ApiRequest): vLLM's serving code shows its output
+    api: Any = None
     started: bool = False  # the request's first output (which carries its prompt) went out
     whole: bool = False  # not streamed: output after the first is held and merged (coalesce.py)
 
@@ -132,7 +134,8 @@ def default_sampling(model_config) -> tuple[dict[str, Any], int | None]:
 class RequestBuilder:
     """Builds vLLM requests for one engine (its model config, renderer and tokenizer)."""
 
-    def __init__(self, model_config, renderer, frontend, trust_request_chat_template: bool = False):
+    def __init__(self, model_config, renderer, frontend, trust_request_chat_template: bool = False,
+                 serving_apis=None):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
@@ -150,11 +153,22 @@ class RequestBuilder:
         self.renderer = renderer
         self.frontend = frontend  # chat_parsing.ChatFrontend: vLLM's OnlineRenderer for this model
         self.trust_request_chat_template = trust_request_chat_template
+        self.serving_apis = serving_apis  # () -> serving_apis.ServingApis, made on first use
+        self._apis = None
         self.defaults, self.override_max_tokens = default_sampling(model_config)
         if self.defaults:
             log.info("default sampling parameters (generation config and overrides): %s", self.defaults)
 
-    def build(self, kind: str, body: dict[str, Any]) -> Built:
+    @property
+    def apis(self):
+        """vLLM's Responses and Messages serving classes for this model (serving_apis.py)."""
+        if self._apis is None:
+            self._apis = self.serving_apis()
+        return self._apis
+
+    def build(self, kind: str, body: dict[str, Any], answer_id: str = "") -> Built:
+        if kind in ("responses", "messages"):  # vLLM's serving code builds it (serving_apis.py)
+            return self.apis.start(kind, body, answer_id)
         try:
             if kind == "completion":
                 return self._completion(body)
@@ -252,13 +266,20 @@ class RequestBuilder:
         return params
 
 
-def request_builder(vllm_config, renderer, model) -> RequestBuilder:
+def request_builder(vllm_config, renderer, model, input_processor=None) -> RequestBuilder:
     """The builder for one served model (servectl's ``ModelConfig``: its chat settings), with
-    vLLM's OnlineRenderer and parsers made from them (chat_parsing.py)."""
+    vLLM's OnlineRenderer and parsers made from them (chat_parsing.py) and, on first use, its
+    Responses and Messages serving classes (serving_apis.py)."""
     from engine_core.chat_parsing import ChatFrontend
 
     frontend = ChatFrontend(vllm_config.model_config, renderer, model,
                             vllm_config.structured_outputs_config.reasoning_parser)
+
+    def serving_apis():
+        from engine_core.serving_apis import ServingApis
+
+        return ServingApis(vllm_config, renderer, input_processor, frontend, model.name, model.model)
+
     return RequestBuilder(vllm_config.model_config, renderer, frontend,
-                          trust_request_chat_template=model.trust_request_chat_template)
+                          trust_request_chat_template=model.trust_request_chat_template, serving_apis=serving_apis)
 

@@ -136,15 +136,21 @@ def seed_detokenizer(engine, request_id: str, tokenizer, prompt_ids: list[int], 
 def add_continued(engine, tokenizer, request_id: str, built, resume: P.Resume) -> None:
     """Add a freshly built request to vLLM as the continuation of one choice: its prompt and
     sampling made the continuation's (``continue_request``), the old detokenizer's state seeded
-    into the new one and, for a parsed chat, the client's output replayed through its parser.
+    into the new one and, for a parsed chat, the client's output replayed through its parser
+    (for a Responses / Messages request, through its serving code: serving_apis.py).
     A failure after the request was made is not the client's: a 503, it cannot be continued."""
     from engine_core.requests import BadRequest
 
+    api = built.spec.api  # a Responses / Messages request: its serving code holds these parameters
+    if api is not None:
+        built.params = built.params.clone()
     prompt_ids = continue_request(built, resume)
     internal_id = built.add_to(engine, request_id)
     try:
         texts = seed_detokenizer(engine, internal_id, tokenizer, prompt_ids, resume)
-        if built.spec.parsing is not None:
+        if api is not None:  # its serving code sees the client's output, delta by delta as it came
+            api.replay(resume.deltas, prompt_ids)
+        elif built.spec.parsing is not None:
             built.spec.parsing.replay(0, texts, list(resume.token_ids))
     except Exception as exc:
         log.exception("request %s: continuing its output failed", request_id)

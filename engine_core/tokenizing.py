@@ -31,13 +31,17 @@ class TokenizerEndpoints:
 
     def answer(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         handler = {"tokenize": self.tokenize, "detokenize": self.detokenize,
-                   "tokenizer_info": self.tokenizer_info}.get(kind)
+                   "tokenizer_info": self.tokenizer_info, "count_tokens": self.count_tokens}.get(kind)
         if handler is None:
             raise BadRequest(f"unknown tokenizer request {kind!r}")
         try:
             return handler(body)
         except Exception as exc:
             raise refusal(exc) from None
+
+    def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Anthropic's ``/v1/messages/count_tokens``, by vLLM's ``AnthropicServingMessages``."""
+        return self.builder.apis.count_tokens(body)
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         from vllm.entrypoints.serve.tokenize.protocol import (TokenizeChatRequest, TokenizeCompletionRequest,

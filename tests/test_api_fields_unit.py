@@ -36,6 +36,9 @@ ENDPOINTS = {
     "TokenizeCompletionRequest": ("tokenize", {"prompt": "x"}),
     "TokenizeChatRequest": ("tokenize", {"messages": []}),
     "DetokenizeRequest": ("detokenize", {}),
+    "ResponsesRequest": ("responses", {}),
+    "AnthropicMessagesRequest": ("messages", {}),
+    "AnthropicCountTokensRequest": ("count_tokens", {}),
 }
 NESTED = {"StreamOptions": H.StreamOptions, "StructuredOutputsParams": H.StructuredOutputs}
 
@@ -154,7 +157,7 @@ def refused_with(endpoint: str, raw: dict) -> HttpError:
     return info.value
 
 
-@pytest.mark.parametrize("endpoint", ["completion", "chat", "tokenize"])
+@pytest.mark.parametrize("endpoint", ["completion", "chat", "tokenize", "responses", "messages"])
 def test_refused_fields_are_a_400_naming_them_unless_they_ask_for_nothing(endpoint):
     base = {"messages": [{"role": "user", "content": "x"}]} if endpoint != "completion" else {"prompt": "x"}
     for field, (why, no_ops) in {**F.REFUSED[endpoint], **F.OPENAI_ONLY.get(endpoint, {})}.items():
@@ -202,3 +205,15 @@ def test_structured_outputs_refuses_unknown_keys():
     with pytest.raises(msgspec.ValidationError) as info:
         msgspec.convert({"prompt": "x", "structured_outputs": {"choices": ["a"]}}, H.CompletionRequest)
     assert "choices" in str(info.value)
+
+
+def test_passthrough_endpoints_forward_vllms_fields_and_name_the_ones_vllm_ignores():
+    """Responses / Messages: vLLM's class takes the body whole in the engine; `store`, which
+    vLLM ignores without its store, is forwarded (its own background check needs it) and named."""
+    forward, unknown = F.classify("responses", {"input": "hi", "store": True, "tools": [], "vendor": 1})
+    assert forward == {"input": "hi", "store": True, "tools": []} and sorted(unknown) == ["store", "vendor"]
+    assert F.classify("responses", {"input": "hi", "store": False}) == ({"input": "hi", "store": False}, [])
+    err = refused_with("responses", {"input": "hi", "background": True})
+    assert err.param == "background" and "store" in err.message
+    assert F.classify("messages", {"model": "m", "max_tokens": 5, "messages": [], "system": "s"})[1] == []
+    assert set(F.API_FIELDS["count_tokens"]) == set(VLLM["AnthropicCountTokensRequest"])

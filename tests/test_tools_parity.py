@@ -195,3 +195,131 @@ def test_refusals_equal_vllm_serves(vllm_tools, tools_daemon):
         ours = http(tools_daemon, "POST", path, {"model": name, **body})
         assert theirs.status >= 400 and ours.status == theirs.status, (body, theirs.status, ours.status,
                                                                         theirs.body[:300], ours.body[:300])
+
+
+# ---- issue 32: the Responses and Messages APIs ------------------------------------------------
+
+RS, MS = "/v1/responses", "/v1/messages"
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+A_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
+             "input_schema": WEATHER["function"]["parameters"]}
+R_CALLED = [*ASK, {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                   "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "rainy, 7 C"}]
+A_CALLED = [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                      "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rainy, 7 C"}]}]
+API_CASES = {
+    "tools": [
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER]}),
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER], "stream": True}),
+        (RS, {"input": "Hello!"}),
+        (RS, {"input": "Hello!", "instructions": "Be brief.", "stream": True}),
+        (RS, {"input": R_CALLED, "tools": [R_WEATHER]}),
+        (RS, {"input": R_CALLED, "tools": [R_WEATHER], "stream": True}),
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER], "max_output_tokens": 12}),
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER], "max_output_tokens": 12,
+              "stream": True}),
+        (RS, {"input": "Hello!", "include": ["message.output_text.logprobs"], "top_logprobs": 2}),
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER], "tool_choice": "none"}),
+        (RS, {"input": "What is the weather in Oslo?", "tools": [R_WEATHER], "include_reasoning": False,
+              "stream": True}),
+        (MS, {"messages": ASK, "tools": [A_WEATHER]}),
+        (MS, {"messages": ASK, "tools": [A_WEATHER], "stream": True}),
+        (MS, {"messages": HELLO, "system": "Be brief."}),
+        (MS, {"messages": HELLO, "stream": True}),
+        (MS, {"messages": A_CALLED, "tools": [A_WEATHER]}),
+        (MS, {"messages": A_CALLED, "tools": [A_WEATHER], "stream": True}),
+        (MS, {"messages": HELLO, "stop_sequences": ["help"]}),
+        (MS, {"messages": HELLO, "stop_sequences": ["help"], "stream": True}),
+        (MS, {"messages": ASK, "tools": [A_WEATHER], "max_tokens": 12}),
+        (MS + "/count_tokens", {"messages": ASK, "tools": [A_WEATHER], "system": "Be brief."}),
+    ],
+    "default-hermes": [
+        (RS, {"input": "def", "max_output_tokens": 20}),
+        (RS, {"input": "def", "max_output_tokens": 20, "stream": True}),
+        (MS, {"messages": [{"role": "user", "content": "def"}], "max_tokens": 20}),
+        (MS, {"messages": [{"role": "user", "content": "def"}], "max_tokens": 20, "stream": True}),
+    ],
+}
+API_ERRORS = [
+    (RS, {}),
+    (RS, {"input": 5}),
+    (RS, {"input": "x", "previous_response_id": "resp_0123456789abcdef"}),
+    (RS, {"input": "x", "store": True, "background": True}),
+    (RS, {"input": "x", "tool_choice": "sometimes", "tools": [R_WEATHER]}),
+    (MS, {"messages": ASK}),
+    (MS, {"max_tokens": 5}),
+    (MS, {"max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}),
+    (MS + "/count_tokens", {}),
+]
+ID_KEYS = ("id", "call_id", "item_id", "signature", "tool_use_id")
+
+
+def clean_api(value):
+    """Ids keep their format (prefix) with their random hex masked; times zeroed."""
+    if isinstance(value, dict):
+        return {k: (re.sub(r"[0-9a-f]{8,}", "<hex>", v) if k in ID_KEYS and isinstance(v, str)
+                    else 0 if k == "created_at" else clean_api(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_api(v) for v in value]
+    return value
+
+
+def api_events(text: str) -> list:
+    """A Responses or Messages stream as its events, ids masked, sequence numbers dropped, and
+    adjacent deltas of one part joined (vLLM's API server may hand two steps to one event)."""
+    out: list = []
+    name = None
+    for line in text.split("\n"):
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data = clean_api(json.loads(line[6:]))
+            data.pop("sequence_number", None)
+            prev = out[-1][1] if out and out[-1][0] == name else None
+            if name.endswith(".delta") and name.startswith("response.") and prev is not None and \
+                    {k: v for k, v in prev.items() if k not in ("delta", "logprobs")} == \
+                    {k: v for k, v in data.items() if k not in ("delta", "logprobs")}:
+                prev["delta"] += data["delta"]
+                prev["logprobs"] = (prev.get("logprobs") or []) + (data.get("logprobs") or [])
+                continue
+            if name == "content_block_delta" and prev is not None and prev["index"] == data["index"] and \
+                    prev["delta"]["type"] == data["delta"]["type"] != "signature_delta":
+                for k in ("text", "thinking", "partial_json"):
+                    if k in data["delta"]:
+                        prev["delta"][k] += data["delta"][k]
+                continue
+            out.append((name, data))
+    return out
+
+
+def ask_api(base: str, model: str, path: str, body: dict):
+    limit = {} if path.endswith("count_tokens") else \
+        {"max_output_tokens": 200} if path == RS else {"max_tokens": 200}
+    r = http(base, "POST", path, {"model": model, "temperature": 0, **limit, **body}
+             if not path.endswith("count_tokens") else {"model": model, **body}, key=None, timeout=300)
+    if r.status != 200:
+        return r.status, None
+    return 200, api_events(r.text) if body.get("stream") else clean_api(r.json())
+
+
+def test_responses_and_messages_equal_vllm_serves(vllm_tools, tools_daemon):
+    name, vllm_base = vllm_tools
+    differ = []
+    for path, body in API_CASES[name]:
+        theirs = ask_api(vllm_base, name, path, body)
+        ours = ask_api(tools_daemon.base_url, name, path, body)
+        assert theirs[0] == 200, (path, body, theirs)
+        if ours != theirs:
+            differ.append((path, body, theirs, ours))
+    assert not differ, "\n\n".join(f"{p} {b}\n vllm serve: {t}\n servectl:   {o}" for p, b, t, o in differ)
+
+
+def test_responses_and_messages_refusals_equal_vllm_serves(vllm_tools, tools_daemon):
+    name, vllm_base = vllm_tools
+    for path, body in API_ERRORS:
+        theirs = http(vllm_base, "POST", path, {"model": name, **body}, key=None)
+        ours = http(tools_daemon, "POST", path, {"model": name, **body})
+        assert theirs.status >= 400 and ours.status == theirs.status, (path, body, theirs.status, ours.status,
+                                                                        theirs.body[:300], ours.body[:300])

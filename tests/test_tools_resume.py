@@ -1,4 +1,4 @@
-"""Issue 31: an agent's request survives its worker or engine being killed (real kills).
+"""Issues 31, 32: an agent's request survives its worker or engine being killed (real kills).
 
 Free-text `auto` tool calls and reasoning, streamed and whole, are in flight when
 the worker (then the engine) is SIGKILLed, as soon as every stream has shown its
@@ -6,7 +6,10 @@ first reasoning: each resumes on the restarted engine with no client error and
 ends exactly as it does without the kill (temperature 0) — the same reasoning,
 content and tool calls, each call's id once. A whole answer under a `required`
 choice (a grammar constrains it: it cannot be continued) runs again from its
-start and ends as without the kill too.
+start and ends as without the kill too. Responses and Messages requests (issue 32)
+ride the same kills: a stream goes on with the same events as unkilled — its
+sequence numbers without a gap, its items' ids the ones it announced, its blocks
+in order — and a whole answer is the same body (ids aside).
 """
 
 from __future__ import annotations
@@ -118,8 +121,104 @@ class Client(threading.Thread):
         conn.close()
 
 
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+A_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
+             "input_schema": WEATHER["function"]["parameters"]}
+
+
+def api_requests() -> dict[str, tuple[str, dict]]:
+    """Issue 32: Responses and Messages requests, streamed and whole."""
+    return {
+        "responses-stream-Oslo": ("/v1/responses", {"input": "What is the weather in Oslo?", "tools": [R_WEATHER],
+                                                    "stream": True}),
+        "responses-stream-hello": ("/v1/responses", {"input": "Hello!", "stream": True}),
+        "responses-whole-Cairo": ("/v1/responses", {"input": "What is the weather in Cairo?",
+                                                    "tools": [R_WEATHER]}),
+        "messages-stream-Lisbon": ("/v1/messages", {"messages": [{"role": "user", "content":
+                                                                  "What is the weather in Lisbon?"}],
+                                                    "tools": [A_WEATHER], "stream": True}),
+        "messages-stream-hello": ("/v1/messages", {"messages": [{"role": "user", "content": "Hello!"}],
+                                                   "stream": True}),
+    }
+
+
+def masked(value):
+    """Ids (random per request) and times masked: what two runs of one request share."""
+    if isinstance(value, dict):
+        return {k: ("<id>" if k in ("id", "call_id", "item_id", "signature") else 0 if k == "created_at"
+                    else masked(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
+
+
+class ApiClient(Client):
+    """A Responses or Messages request: what the client was shown (ids masked), and whether the
+    stream held together across the kill (sequence numbers, item ids, block indices)."""
+
+    def __init__(self, d, name: str, path: str, body: dict, kill_at: threading.Event | None = None):
+        threading.Thread.__init__(self, daemon=True, name=name)
+        self.d, self.path, self.kill_at = d, path, kill_at
+        limit = {"max_output_tokens": 200} if path == "/v1/responses" else {"max_tokens": 200}
+        self.body = {"model": "tools", "temperature": 0, **limit, **body}
+        self.shown_reasoning = threading.Event()
+        self.errors: list = []
+        self.after_kill = 0
+        self.result: dict = {}
+        self.ids: dict[int, list[str]] = {}
+
+    def run(self) -> None:
+        try:
+            if self.body.get("stream"):
+                self._api_stream()
+            else:
+                r = http(self.d, "POST", self.path, self.body, timeout=600)
+                if r.status != 200:
+                    self.errors.append((r.status, r.body[:300]))
+                    return
+                self.result = masked(r.json())
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(repr(exc))
+        finally:
+            self.shown_reasoning.set()
+
+    def _api_stream(self) -> None:
+        conn = HTTPConnection("127.0.0.1", self.d.port, timeout=600)
+        conn.request("POST", self.path, json.dumps(self.body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            self.errors.append((resp.status, resp.read()[:300]))
+            return
+        events, name = [], None
+        for raw in resp:
+            line = raw.rstrip(b"\r\n")
+            if line.startswith(b"event: "):
+                name = line[7:].decode()
+            elif line.startswith(b"data: "):
+                data = json.loads(line[6:])
+                if name == "error":
+                    self.errors.append(data)
+                if self.kill_at is not None and self.kill_at.is_set():
+                    self.after_kill += 1
+                if name.endswith(".delta") or name == "content_block_delta":
+                    self.shown_reasoning.set()
+                events.append((name, data))
+        conn.close()
+        if self.path == "/v1/responses":
+            assert [d["sequence_number"] for _, d in events] == list(range(len(events))), self.name
+            added = [d["item"]["id"] for n, d in events if n == "response.output_item.added"]
+            assert {d["item_id"] for n, d in events if n.endswith(".delta")} <= set(added), self.name
+            final = events[-1][1]["response"]
+            assert [i["id"] for i in final["output"]] == added, (self.name, added, final["output"])
+        else:
+            starts = [d["index"] for n, d in events if n == "content_block_start"]
+            assert starts == list(range(len(starts))), (self.name, starts)
+        self.result = {"events": [(n, masked(d)) for n, d in events]}
+
+
 def run_all(d, kill_at=None) -> list[Client]:
     clients = [Client(d, name, body, kill_at) for name, body in requests().items()]
+    clients += [ApiClient(d, name, path, body, kill_at) for name, (path, body) in api_requests().items()]
     for c in clients:
         c.start()
     return clients
@@ -161,7 +260,9 @@ def kill_mid_requests(d, reference, component: str) -> None:
             for i, ids in c.ids.items():
                 assert len(ids) == 1, (c.name, i, ids)  # a call's id is shown once, resumed or not
         assert_nothing_running(d)
-        if unfinished and any(c.after_kill for c in streams):
+        # Tested only if both a chat stream and a Responses / Messages stream went on after the kill.
+        if unfinished and any(c.after_kill for c in streams if not isinstance(c, ApiClient)) and \
+                any(c.after_kill for c in streams if isinstance(c, ApiClient)):
             assert "going on with" in d.log("gateway:0"), d.log_tails("gateway:0")
             return
     pytest.fail("in 3 rounds every request finished before the kill: nothing was tested")

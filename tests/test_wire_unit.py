@@ -104,12 +104,17 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                             pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
-    EP.Resume: [EP.Resume(index=1, token_ids=[4, 5], text_chars=3)],
+    EP.ReplayedDelta: [EP.ReplayedDelta("ab", [4, 5]), EP.ReplayedDelta("", [])],
+    EP.Resume: [EP.Resume(index=1, token_ids=[4, 5], text_chars=3),
+                EP.Resume(token_ids=[4, 5], text_chars=2, deltas=[EP.ReplayedDelta("a", [4]),
+                                                                  EP.ReplayedDelta("b", [5])])],
     EP.Generate: [known_fields(EP.Generate, request_id="r0", kind="completion", body={"prompt": "x"},
                                resume=EP.Resume(index=1, token_ids=[4])),
                   EP.Generate(request_id="r1", kind="completion",
                               body={"prompt": "def ", "temperature": 0.5, "n": 2, "echo": True}),
                   EP.Generate(request_id="r2", kind="completion", body={"prompt": [1, 2, 3]}),
+                  EP.Generate(request_id="r4", kind="responses", body={"input": "hi", "stream": True},
+                              answer_id="0123456789abcdef"),
                   EP.Generate(request_id="r3", kind="chat", body={"messages": [{"role": "user", "content": "hi"}],
                                                                   "structured_outputs": {"choice": ["a", "b"]}})],
     EP.Abort: [EP.Abort(request_ids=["r1", "r2"])],
@@ -129,7 +134,9 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                         logprobs=[["x", -0.5, [["x", -0.5], ["y", -1.5]], [120]]],
                         prompt=EP.PromptInfo(tokens=3)),
                EP.Delta(request_id="r2", stop_reason="\n", reasoning_tokens=4,
-                        message={"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]})],
+                        message={"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]}),
+               EP.Delta(request_id="r3", token_ids=[7], text="hi",
+                        api_output='event: response.output_text.delta\ndata: {"delta":"hi"}\n\n')],
     EP.StepOutput: [EP.StepOutput(incarnation="abc", deltas=[EP.Delta(request_id="r1", text="a"),
                                                              EP.Delta(request_id="r2", index=1, token_ids=[9])]),
                     EP.StepOutput(incarnation="abc", deltas=[])],
@@ -284,7 +291,7 @@ def test_delta_travels_as_an_array_in_field_order():
 
 def test_protocol_versions():
     # 2: Generate carries vLLM request fields; 3: a parsed chat's deltas carry vLLM's JSON (Delta.message)
-    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 3
+    assert CP.PROTOCOL_VERSION == 1 and EP.PROTOCOL_VERSION == 4
 
 
 # ---- what a receiver must survive ------------------------------------------------------

@@ -28,6 +28,9 @@ CLASSES = [
     ("TokenizeCompletionRequest", "vllm.entrypoints.serve.tokenize.protocol", "TokenizeCompletionRequest"),
     ("TokenizeChatRequest", "vllm.entrypoints.serve.tokenize.protocol", "TokenizeChatRequest"),
     ("DetokenizeRequest", "vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest"),
+    ("ResponsesRequest", "vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+    ("AnthropicMessagesRequest", "vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
+    ("AnthropicCountTokensRequest", "vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest"),
     ("StreamOptions", "vllm.entrypoints.generate.base.protocol", "StreamOptions"),
     ("StructuredOutputsParams", "vllm.sampling_params", "StructuredOutputsParams"),
 ]

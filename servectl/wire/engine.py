@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaults=True):
@@ -27,6 +27,13 @@ class _Msg(msgspec.Struct, tag=True, tag_field="type", kw_only=True, omit_defaul
 
 class Hello(_Msg, tag="hello"):
     version: int
+
+
+class ReplayedDelta(msgspec.Struct, array_like=True):
+    """One delta of a choice as the gateway passed it on: its raw text and token ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 class Resume(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -43,13 +50,18 @@ class Resume(msgspec.Struct, kw_only=True, omit_defaults=True):
     index: int = 0
     token_ids: list[int] = []
     text_chars: int = 0
+    # A Responses / Messages stream: the same output delta by delta as it came, which vLLM's
+    # serving code is fed again so that its events go on where the client's stopped.
+    deltas: list[ReplayedDelta] = []
 
 
 class Generate(_Msg, tag="generate"):
     """One engine request: the client's fields for vLLM's own request class.
 
     ``kind`` names the class (``completion``: vLLM's ``CompletionRequest``,
-    ``chat``: ``ChatCompletionRequest``); ``body`` holds the fields the client
+    ``chat``: ``ChatCompletionRequest``, ``responses``: ``ResponsesRequest``,
+    ``messages``: ``AnthropicMessagesRequest``, the last two answered by vLLM's
+    serving classes in the engine); ``body`` holds the fields the client
     sent that servectl supports, as sent (a completion's ``prompt`` is one
     prompt: the gateway sends one request per prompt). The engine builds the
     request with vLLM's class, so defaults and validation are vLLM's.
@@ -60,6 +72,9 @@ class Generate(_Msg, tag="generate"):
     body: dict[str, Any]
     # Continue one choice of this request (its engine restarted mid-request).
     resume: Resume | None = None
+    # Responses / Messages: the answer's own id, the same across restarts (the response id,
+    # unless the body names one; what vLLM's ids for the answer's items are derived from).
+    answer_id: str = ""
 
 
 class Abort(_Msg, tag="abort"):
@@ -143,6 +158,10 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     # ``text`` is still the raw text (what a resumed choice continues from).
     message: dict[str, Any] | None = None
     reasoning_tokens: int | None = None  # the choice's reasoning tokens so far, where counted
+    # Responses / Messages: what the client is sent for this output, already in the API's form
+    # (vLLM's serving classes make it): a stream's SSE events, or a whole answer's JSON body on
+    # its last delta.
+    api_output: str = ""
 
 
 class StepOutput(_Msg, tag="step"):

@@ -1,0 +1,206 @@
+"""The Responses and Messages endpoints: answers the engine makes whole, passed through.
+
+``/v1/responses`` and ``/v1/messages`` are answered by vLLM's own serving
+classes, which run in the model's engine (engine_core/serving_apis.py): the
+engine sends each step's output already in the API's form
+(``Delta.api_output``: a stream's SSE events, a whole answer's JSON body). The
+gateway does here what it does for every endpoint (the body read and its
+fields sorted, the model routed, admission, holding through a restart) and
+writes what the engine made. ``/v1/messages/count_tokens`` is a tokenizer
+question to the engine. vLLM keeps no responses (its store is off), so
+``GET /v1/responses/{id}`` and its cancel are its 404.
+
+Errors keep each API's shape: OpenAI's on ``/v1/responses``, Anthropic's
+(``{"type": "error", "error": {...}}``) on ``/v1/messages``; a failure after a
+stream began is the API's ``error`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from aiohttp import web
+
+from api_gateway.bodies import read_body
+from api_gateway.errors import EngineUnavailable, HttpError, unavailable
+from servectl.wire import engine as EP
+
+MESSAGES_PREFIX = "/v1/messages"
+
+
+# Content parts that would make the engine fetch or decode media (the renderer there is text only).
+MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio", "input_video", "image", "document", "image_url",
+                         "audio_url", "video_url", "input_audio_url", "file"})
+
+
+def check_text_only(value, field: str) -> None:
+    """Refuse media anywhere in a request's input (items, messages, tool results)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if v.get("type") in MEDIA_PARTS:
+                raise HttpError(400, f"multimodal input is not supported (a `{v['type']}` part)", param=field,
+                                code="unsupported_parameter")
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def anthropic_error_body(exc: HttpError) -> bytes:
+    """Anthropic's error shape, as vLLM's Messages router gives it."""
+    return json.dumps({"type": "error", "error": {"type": exc.type, "message": exc.message}}).encode()
+
+
+class ApiEndpoints:
+    def __init__(self, gateway):
+        self.gateway = gateway
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, "responses")
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, "messages")
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """vLLM without its store (VLLM_ENABLE_RESPONSES_API_STORE off): no response is kept."""
+        rid = request.match_info["response_id"]
+        raise HttpError(404, f"Response with id '{rid}' not found.", param="response_id")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        req, forward = await read_body(request, self.gateway.cfg, "count_tokens")
+        for field in ("messages", "system"):
+            check_text_only(forward.get(field), field)
+        return await self.gateway.ask_tokenizer(request, req.model, "count_tokens", forward)
+
+    async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        g = self.gateway
+        req, forward = await read_body(request, g.cfg, kind)
+        for field in ("input", "messages", "system"):
+            check_text_only(forward.get(field), field)
+        model = g.model_for(req.model)
+        request["log"]["model"] = model
+        link = g.link_for(model)
+        if g.draining:
+            raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
+        g.check_room(link, 1)
+        gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward, answer_id=secrets.token_hex(8))
+        run = g.generator.run(link, [gen], 1)
+        run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
+        with g.admitted(link, 1):
+            try:
+                await link.wait_ready(link.hold_s(g.cfg.hold_timeout_s), 1)
+            except EngineUnavailable as exc:
+                raise unavailable(exc) from None
+            if req.stream:
+                return await self.stream(request, kind, run, model)
+            return await self.complete(request, run, model)
+
+    async def complete(self, request: web.Request, run, model: str) -> web.Response:
+        started = time.monotonic()
+        body, tokens = "", Counts()
+        gen = run.deltas()
+        try:
+            async for _, d in gen:
+                tokens.add(d)
+                if d.api_output:
+                    body = d.api_output
+        finally:
+            await gen.aclose()
+        tokens.observe(self.gateway, request, model, started)
+        if not body:
+            raise HttpError(500, "the engine sent no answer", "internal_error")
+        return web.Response(body=body.encode(), content_type="application/json")
+
+    async def stream(self, request: web.Request, kind: str, run, model: str) -> web.StreamResponse:
+        g = self.gateway
+        started = time.monotonic()
+        counts = Counts()
+        gen = run.deltas()
+        try:
+            first = await gen.__anext__()  # an error before the first event is a plain error response
+        except HttpError:
+            await gen.aclose()
+            raise
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(headers={**request.get("extra_headers", {}),
+                                           "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request["request_id"]})
+        await resp.prepare(request)
+        run.whole_answer = False
+        write_timeout = g.cfg.body_timeout_s
+        events = 0
+
+        async def write(text: str) -> None:
+            # event-proof: a write waits only while the client's socket buffer is full; a client
+            # that reads nothing for this long is cut (and its request aborted).
+            async with asyncio.timeout(write_timeout):
+                await resp.write(text.encode())
+
+        try:
+            try:
+                item = first
+                while item is not None:
+                    d = item[1]
+                    counts.add(d)
+                    if d.api_output:
+                        events += d.api_output.count("\n\n")  # one JSON line per event: no blank line inside
+                        await write(d.api_output)
+                    try:
+                        item = await gen.__anext__()
+                    except StopAsyncIteration:
+                        item = None
+                counts.observe(g, request, model, started)
+            except HttpError as exc:
+                await gen.aclose()
+                await write(error_event(kind, exc, events))
+            finally:
+                await gen.aclose()
+            await resp.write_eof()
+        except (ConnectionError, TimeoutError):
+            request["log"]["client"] = "gone"
+            if request.transport is not None:
+                request.transport.close()
+        return resp
+
+
+def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:
+    """A failure after a stream began, as the API's ``error`` event (vLLM's shapes)."""
+    if kind == "messages":
+        data = {"type": "error", "error": {"type": exc.type, "message": exc.message}}
+    else:
+        data = {"type": "error", "code": str(exc.code or exc.status), "message": exc.message, "param": exc.param,
+                "sequence_number": sequence_number}
+    return f"event: error\ndata: {json.dumps(data)}\n\n"
+
+
+class Counts:
+    """A passed-through answer's token counts and first-token time (access log, metrics)."""
+
+    def __init__(self):
+        self.prompt = 0
+        self.completion = 0
+        self.first_token_at: float | None = None
+
+    def add(self, d: EP.Delta) -> None:
+        if d.prompt is not None:
+            self.prompt = d.prompt.tokens
+        if d.token_ids:
+            self.completion += len(d.token_ids)
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+
+    def observe(self, gateway, request: web.Request, model: str, started: float) -> None:
+        request["log"].update(prompt_tokens=self.prompt, completion_tokens=self.completion)
+        gateway.generator.observe_counts(model, self.prompt, self.completion, started, self.first_token_at)

@@ -1,0 +1,395 @@
+"""The Responses and Messages APIs: vLLM's own serving classes, run inside the engine.
+
+`vllm serve` answers ``/v1/responses`` with ``OpenAIServingResponses`` and
+``/v1/messages`` with ``AnthropicServingMessages`` (which turns the request
+into a chat completion and vLLM's chat stream back into Anthropic's events).
+Here the same classes are built as ``init_generate_state`` builds them, over
+the model's ``OnlineRenderer`` (chat_parsing.py), and given a
+``ServingEngineClient``: what those classes see of an engine. Their
+``engine_client.generate`` call is only recorded; the engine loop adds that
+request to its ``LLMEngine`` like any other (requests.py ``Built``) and puts
+each step's ``RequestOutput`` into the ``OutputFeed`` the serving code reads.
+
+vLLM's serving code is async, but between two outputs it waits for nothing
+but the feed: ``Driven`` runs it without an event loop, turn by turn, until it
+needs the next output or ends. What it yields is the client's answer already
+in the API's form (a stream's SSE events; a whole answer's JSON body), sent
+to the gateway as ``Delta.api_output``; the gateway only passes it on.
+
+Ids: vLLM mints item, call and message ids with ``uuid.uuid4``; while a
+request's serving code runs, those come from a generator seeded with the
+request's id, so the same request fed the same outputs yields the same ids.
+That is what lets a stream go on after an engine restart: the new engine
+runs the request again, feeds it the outputs the client already has
+(``Resume.deltas``, delta by delta as they came), drops what that shows, and
+the continuation's events follow with the same ids and sequence numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import uuid
+from collections import deque
+from typing import Any
+
+from engine_core.requests import BadRequest, Built, OutputSpec, refusal
+from servectl.wire import engine as P
+
+log = logging.getLogger("engine_core")
+
+KINDS = ("responses", "messages")
+
+
+class _Wait:
+    """What the driven serving code yields to its driver when the feed has nothing yet."""
+
+    def __await__(self):
+        yield self
+
+
+_WAIT = _Wait()
+
+
+class OutputFeed:
+    """The async iterator of ``RequestOutput`` vLLM's serving code reads (``engine_client.generate``)."""
+
+    def __init__(self):
+        self.outputs: deque = deque()
+        self.ended = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while not self.outputs:
+            if self.ended:
+                raise StopAsyncIteration
+            await _WAIT
+        return self.outputs.popleft()
+
+    async def aclose(self):  # vLLM closes its generators on the way out
+        self.ended = True
+
+
+class GenerateCall:
+    """The arguments of one ``engine_client.generate`` call, and its feed."""
+
+    def __init__(self, engine_input, sampling_params, request_id: str, kwargs: dict[str, Any]):
+        self.engine_input = engine_input
+        self.params = sampling_params
+        self.request_id = request_id
+        self.kwargs = kwargs
+        self.feed = OutputFeed()
+
+
+class ServingEngineClient:
+    """What vLLM's serving classes use of an ``EngineClient``: the engine's configuration,
+    renderer and input processor; admission is the gateway's; ``generate`` is recorded."""
+
+    errored = False
+    dead_error = None
+
+    def __init__(self, vllm_config, renderer, input_processor):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+        self.input_processor = input_processor
+        self.calls: list[GenerateCall] = []
+
+    def check_admission(self, n: int = 1) -> None:
+        return None
+
+    def generate(self, engine_input, sampling_params, request_id, **kwargs):
+        call = GenerateCall(engine_input, sampling_params, request_id, kwargs)
+        self.calls.append(call)
+        return call.feed
+
+
+class _SeededIds:
+    """``uuid.uuid4`` while one request's serving code runs: ids from its own seeded generator."""
+
+    def __init__(self, request_id: str):
+        self.rng = random.Random(f"servectl:{request_id}")
+
+    def uuid4(self):
+        return uuid.UUID(int=self.rng.getrandbits(128), version=4)
+
+
+class Driven:
+    """A vLLM serving coroutine (a whole answer) or async generator (a stream) run without an
+    event loop: ``turn`` runs it until it waits for the feed or ends, and returns what it
+    produced meanwhile."""
+
+    def __init__(self, ids: _SeededIds, coro):
+        self.ids = ids
+        self.coro = coro  # the create_* coroutine, then (a stream) its async generator
+        self.stream = None
+        self.pending = None  # the awaitable in progress (a coroutine's, or the generator's __anext__)
+        self.result = None
+        self.done = False
+
+    def turn(self) -> list:
+        """Run until the serving code waits for output or ends; the stream items it yielded."""
+        saved, uuid.uuid4 = uuid.uuid4, self.ids.uuid4
+        try:
+            return self._turn()
+        finally:
+            uuid.uuid4 = saved
+
+    def _turn(self) -> list:
+        items: list = []
+        while not self.done:
+            if self.stream is None:
+                try:
+                    yielded = self.coro.send(None)
+                except StopIteration as end:
+                    value = end.value
+                    if hasattr(value, "__anext__"):  # create_* returned a stream
+                        self.stream = value
+                        continue
+                    self.result, self.done = value, True
+                    break
+                if yielded is not _WAIT:
+                    raise RuntimeError(f"vLLM's serving code waited for {type(yielded).__name__} "
+                                       "(servectl runs it without an event loop)")
+                break
+            if self.pending is None:
+                self.pending = self.stream.__anext__()
+            try:
+                yielded = self.pending.send(None)
+            except StopIteration as got:
+                self.pending = None
+                items.append(got.value)
+                continue
+            except StopAsyncIteration:
+                self.pending, self.done = None, True
+                break
+            if yielded is not _WAIT:
+                raise RuntimeError(f"vLLM's serving code waited for {type(yielded).__name__} "
+                                   "(servectl runs it without an event loop)")
+            break
+        return items
+
+    def close(self) -> None:
+        for obj in (self.pending, self.stream, self.coro):
+            close = getattr(obj, "close", None) or getattr(obj, "aclose", None)
+            if obj is not None and close is not None:
+                try:
+                    result = close()
+                    if hasattr(result, "send"):  # an async generator's aclose(): run it to its end
+                        try:
+                            result.send(None)
+                        except (StopIteration, StopAsyncIteration):
+                            pass
+                        except RuntimeError:
+                            pass
+                except Exception:  # noqa: BLE001 - closing what is abandoned
+                    log.debug("closing a serving coroutine", exc_info=True)
+        self.done = True
+
+
+def _json(body) -> str:
+    """A body as Starlette's ``JSONResponse`` renders it for `vllm serve`."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+class ServingApis:
+    """One model's Responses and Messages serving classes, as `vllm serve` builds them."""
+
+    def __init__(self, vllm_config, renderer, input_processor, frontend, served_name: str, model_path: str):
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+        self.client = ServingEngineClient(vllm_config, renderer, input_processor)
+        models = OpenAIServingModels(self.client, [BaseModelPath(name=served_name, model_path=model_path)])
+        online = frontend.online
+        common = dict(request_logger=None, chat_template=online.chat_template,
+                      chat_template_content_format=frontend.chat_template_content_format,
+                      return_tokens_as_token_ids=False, enable_auto_tools=frontend.enable_auto_tools,
+                      tool_parser=frontend.tool_parser, tool_strict_level=frontend.tool_strict_level,
+                      reasoning_parser=frontend.reasoning_parser or "", enable_prompt_tokens_details=False,
+                      enable_force_include_usage=False, enable_log_outputs=False,
+                      default_chat_template_kwargs=frontend.default_chat_template_kwargs)
+        self.responses = OpenAIServingResponses(self.client, models, online, tool_server=None,
+                                                enable_per_request_metrics=False, **common)
+        self.messages = AnthropicServingMessages(self.client, models, "assistant", online_renderer=online,
+                                                 enable_log_deltas=True, disabled_thinking_effort="auto",
+                                                 **common)
+
+    def start(self, kind: str, body: dict[str, Any], answer_id: str) -> Built:
+        """Run the request's serving code until it asks the engine to generate: that request,
+        ready for ``LLMEngine``. vLLM's refusal (its status, message, parameter) is ``BadRequest``.
+        ``answer_id``: the answer's id, the same across restarts (``Generate.answer_id``)."""
+        return ApiRequest(self, kind, body, answer_id).start()
+
+    def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``/v1/messages/count_tokens``: ``AnthropicServingMessages.count_tokens``."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        try:
+            request = AnthropicCountTokensRequest.model_validate(body)
+            driven = Driven(_SeededIds("count_tokens"), self.messages.count_tokens(request))
+            driven.turn()
+            if not driven.done:
+                driven.close()
+                raise RuntimeError("counting tokens asked the engine to generate")
+            result = driven.result
+        except Exception as exc:
+            raise refusal(exc) from None
+        if isinstance(result, ErrorResponse):
+            raise _refused(result)
+        return result.model_dump(exclude_none=True)
+
+
+def _refused(error) -> BadRequest:
+    err = error.error
+    status = err.code if 400 <= err.code < 600 else 400
+    return BadRequest(err.message, err.param, status, unexpected=status >= 500)
+
+
+class ApiRequest:
+    """One Responses or Messages request in the engine: its driven serving code, what the
+    client has been sent, and the outputs it is fed. ``OutputSpec.api`` holds it."""
+
+    def __init__(self, apis: ServingApis, kind: str, body: dict[str, Any], answer_id: str):
+        self.apis = apis
+        self.kind = kind
+        self.body = body
+        self.answer_id = answer_id
+        self.stream = bool(body.get("stream"))
+        self.driven: Driven | None = None
+        self.call: GenerateCall | None = None
+        self.prompt_ids: list[int] = []
+        self.started = False
+        self.replaying = False
+
+    # ---- admission --------------------------------------------------------------------
+    def start(self) -> Built:
+        try:
+            coro = self._create()
+            self.driven = Driven(_SeededIds(self.answer_id), coro)
+            calls = self.apis.client.calls
+            calls.clear()
+            self.pending_items = self.driven.turn()
+            self.call = calls[0] if calls else None
+            calls.clear()
+        except BadRequest:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise refusal(exc) from None
+        if self.call is None:  # it ended without generating: vLLM's error response
+            result = self.driven.result
+            self.close()
+            raise self._error_of(result)
+        call = self.call
+        engine_input = call.engine_input
+        self.prompt_ids = list(engine_input.get("prompt_token_ids") or ()) if isinstance(engine_input, dict) else []
+        params = call.params
+        kwargs = call.kwargs
+        core = {k: kwargs.get(k) for k in ("reasoning_ended", "reasoning_parser_kwargs")}
+        spec = OutputSpec(chat=True, constrained=params.structured_outputs is not None)
+        spec.api = self
+        return Built(engine_input, params, kwargs.get("priority", 0), kwargs.get("session_id"), spec,
+                     core_fields=core if any(v is not None for v in core.values()) else None)
+
+    def _create(self):
+        if self.kind == "responses":
+            from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+            body = dict(self.body)
+            if self.answer_id:
+                body.setdefault("request_id", f"resp_{self.answer_id}")
+            return self.apis.responses.create_responses(ResponsesRequest.model_validate(body))
+        if self.kind == "messages":
+            from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+            return self.apis.messages.create_messages(AnthropicMessagesRequest.model_validate(self.body))
+        raise BadRequest(f"unknown request kind {self.kind!r}")
+
+    def _error_of(self, result) -> BadRequest:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            return _refused(result)
+        return BadRequest(f"vLLM's {self.kind} serving ended without an answer", status=500, unexpected=True)
+
+    # ---- a restarted engine: the client's output so far ---------------------------------------
+    def replay(self, deltas: list[P.ReplayedDelta], prompt_ids: list[int]) -> None:
+        """Feed the serving code the outputs the client already has, as they came, and drop
+        what it shows of them (the client has it)."""
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        self.prompt_ids = list(prompt_ids)
+        for d in deltas:
+            out = CompletionOutput(index=0, text=d.text, token_ids=list(d.token_ids), cumulative_logprob=None,
+                                   logprobs=None, finish_reason=None)
+            self.call.feed.outputs.append(RequestOutput(
+                request_id=self.call.request_id, prompt=None, prompt_token_ids=list(prompt_ids),
+                prompt_logprobs=None, outputs=[out], finished=False, num_cached_tokens=0))
+        self.pending_items = []
+        self.driven.turn()
+        self.started = True
+
+    # ---- output -----------------------------------------------------------------------------
+    def deltas(self, ro, first: bool) -> list[P.Delta]:
+        """One step's output for this request: fed to the serving code; what it shows, in the
+        API's form, with the raw text and tokens (what a restart continues from)."""
+        feed = self.call.feed
+        comp = ro.outputs[0] if ro.outputs else None
+        if self.prompt_ids and ro.prompt_token_ids is not None and len(ro.prompt_token_ids) != len(self.prompt_ids):
+            # A continued request: its prompt holds the output so far; the client's prompt is the first part.
+            ro.prompt_token_ids = list(self.prompt_ids)
+            ro.num_cached_tokens = min(ro.num_cached_tokens or 0, len(self.prompt_ids))
+        feed.outputs.append(ro)
+        if ro.finished:
+            feed.ended = True
+        items = list(self.pending_items)
+        self.pending_items = []
+        items += self.driven.turn()
+        delta = P.Delta(request_id=ro.request_id, index=0,
+                        text=comp.text if comp is not None else "",
+                        token_ids=list(comp.token_ids) if comp is not None else [],
+                        finish_reason=comp.finish_reason if comp is not None else None,
+                        stop_reason=comp.stop_reason if comp is not None else None,
+                        api_output=self._shown(items))
+        if ro.finished and delta.finish_reason is None:
+            delta.finish_reason = "abort"
+        if first and not self.started:
+            delta.prompt = P.PromptInfo(tokens=len(self.prompt_ids or ro.prompt_token_ids or ()),
+                                        constrained=self.call.params.structured_outputs is not None)
+        self.started = True
+        if ro.finished:
+            if not self.driven.done:
+                log.warning("request %s: vLLM's %s serving did not end with its last output", ro.request_id,
+                            self.kind)
+                self.driven.close()
+            elif not self.stream:
+                delta.api_output = self._whole(self.driven.result)
+        return [delta]
+
+    def _shown(self, items: list) -> str:
+        """A stream's items as `vllm serve` writes them (its api_router's SSE framing)."""
+        if self.kind == "messages":
+            return "".join(items)  # AnthropicServingMessages yields its SSE text itself
+        return "".join(f"event: {getattr(event, 'type', 'unknown')}\ndata: "
+                       f"{event.model_dump_json(indent=None, by_alias=True)}\n\n" for event in items)
+
+    def _whole(self, result) -> str:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            raise _refused(result)
+        if self.kind == "messages":
+            return _json(result.model_dump(exclude_none=True))
+        return _json(result.model_dump(mode="json", by_alias=True))
+
+    def close(self) -> None:
+        if self.driven is not None:
+            self.driven.close()
