@@ -29,12 +29,23 @@ def spec() -> dict:
                 "400": error, "401": error, "404": error, "413": error, "429": error, "503": error},
         }}
 
+    def passthrough(what: str) -> dict:
+        return {"post": {"summary": what, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"type": "object"}}}},
+            "responses": {"200": {"description": "vLLM's body (stream: text/event-stream)"},
+                          "400": error, "401": error, "404": error, "413": error, "429": error, "503": error}}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "servectl", "version": __version__},
         "paths": {
             "/v1/completions": post("CompletionRequest", "CompletionResponse", "CompletionResponse"),
             "/v1/chat/completions": post("ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
+            "/v1/responses": passthrough("OpenAI's Responses API, answered by vLLM's OpenAIServingResponses "
+                                         "(its ResponsesRequest; stream: its response.* events)"),
+            "/v1/messages": passthrough("Anthropic's Messages API, answered by vLLM's AnthropicServingMessages "
+                                        "(its AnthropicMessagesRequest; stream: message_start ... message_stop)"),
+            "/v1/messages/count_tokens": passthrough("Anthropic's token count (AnthropicCountTokensRequest)"),
             "/v1/models": {"get": {"responses": {"200": {"description": "served models", "content": {
                 "application/json": {"schema": ref["ModelList"]}}}}}},
             "/v1/models/{model}": {"get": {

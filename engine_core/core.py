@@ -30,7 +30,7 @@ import zmq
 
 from engine_core import metrics as engine_metrics
 from engine_core.coalesce import HeldOutput
-from engine_core.idle import IdleRelease
+from engine_core.idle import IdleClock, IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.resume import add_continued
@@ -93,7 +93,6 @@ class EngineServer:
         self.max_model_len = engine.model_config.max_model_len
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
-        self.freeze_grace_ms = int(spec.freeze_grace_s * 1000) if spec.freezing and spec.freeze_grace_s > 0 else None
         self.requests: dict[str, InFlight] = {}  # request id -> what the engine keeps for it
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
@@ -106,10 +105,10 @@ class EngineServer:
         self.rejected = 0
         self.draining = False
         self.drain_reported = False
-        # When the last request finished (the busy→idle transition), monotonic: the idle
-        # deadlines; the manager's status gets it on the wall clock (idle_since_wall).
-        self.idle_since = time.monotonic()
         self.idle = IdleRelease(engine, spec.idle_release_s, release_mode, spec.sleep_level, device_memory)
+        # When the engine last worked, and the deadlines armed when it goes idle (freeze, GroupIdle).
+        self.clock = IdleClock(group, self.idle, int(spec.freeze_grace_s * 1000)
+                               if spec.freezing and spec.freeze_grace_s > 0 else None)
         # Async scheduling: steps still in vLLM's batch queue are work in flight
         # even when no request is unfinished (one may have finished meanwhile).
         self.in_flight = engine_batch_queue(engine)
@@ -143,10 +142,10 @@ class EngineServer:
                     or self.kept is not None or bool(self.tokenizing))
             # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
             # transition (freeze, GroupIdle), or none at all once both have fired.
-            timeout = 0 if busy else self._idle_timeout()
+            timeout = 0 if busy else self.clock.timeout_ms()
             events = dict(self.poller.poll(timeout))  # event-proof: 0 (no wait) while busy, else the deadlines above
             if not events and not busy and timeout is not None:
-                self._idle_deadline()
+                self.clock.fire(self._say_idle)
                 continue
             if self.frontend in events:
                 self._drain_frontend()
@@ -158,45 +157,18 @@ class EngineServer:
                 self._answer_tokenizing()
             if self.engine.has_unfinished_requests() or in_flight or self.kept is not None:
                 self._step()
-                self.idle_since = time.monotonic()
-                self.idle.worked()
+                self.clock.worked()
                 if self.draining:
                     self._check_drained()
 
-    @property
-    def idle_since_wall(self) -> float:
-        """When the engine last worked, on the wall clock (for the manager's status): derived
-        from ``idle_since``, so a step reads one clock, not two."""
-        return time.time() - (time.monotonic() - self.idle_since)
-
-    # ---- idle: one-shot deadlines armed on the busy→idle transition -------------------
-    def _idle_ms(self) -> int:
-        return int((time.monotonic() - self.idle_since) * 1000)
-
-    def _freeze_due_in_ms(self, idle_ms: int) -> int | None:
-        if self.group.frozen or self.freeze_grace_ms is None:
-            return None
-        return max(0, self.freeze_grace_ms - idle_ms)
-
-    def _idle_timeout(self) -> int | None:
-        """The nearest of the freeze and the idle-release deadlines; None: sleep until a message comes."""
-        idle_ms = self._idle_ms()
-        due = [d for d in (self._freeze_due_in_ms(idle_ms), self.idle.due_in_ms(idle_ms)) if d is not None]
-        return min(due) if due else None
-
-    def _idle_deadline(self) -> None:
-        idle_ms = self._idle_ms()
-        if self._freeze_due_in_ms(idle_ms) == 0:
-            self.group.freeze()
-        if self.idle.take_due(idle_ms):
-            log.info("idle for %.1fs: telling the manager", idle_ms / 1000)
-            self.control.send(MP.encoder.encode(MP.GroupIdle(model=self.spec.model.name,
-                                                             incarnation=self.spec.incarnation,
-                                                             idle_s=idle_ms / 1000)))
+    def _say_idle(self, idle_ms: int) -> None:
+        log.info("idle for %.1fs: telling the manager", idle_ms / 1000)
+        self.control.send(MP.encoder.encode(MP.GroupIdle(model=self.spec.model.name, incarnation=self.spec.incarnation,
+                                                         idle_s=idle_ms / 1000)))
 
     def _report_freeze(self, frozen: bool) -> None:
         self.control.send(MP.encoder.encode(MP.GroupFrozen(
-            model=self.spec.model.name, frozen=frozen, idle_since=self.idle_since_wall if frozen else None)))
+            model=self.spec.model.name, frozen=frozen, idle_since=self.clock.since_wall if frozen else None)))
 
     def _drain_frontend(self) -> None:
         while True:
@@ -236,7 +208,7 @@ class EngineServer:
                                       token_replies=self.group.token_replies,
                                       signed_replies=self.group.signed_replies,
                                       rejected_frames=self.rejected, missing=missing,
-                                      last_worked_at=self.idle_since_wall))
+                                      last_worked_at=self.clock.since_wall))
 
     def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
         """Queued; answered by ``_answer_tokenizing`` (tokenising needs no worker)."""
@@ -310,7 +282,7 @@ class EngineServer:
 
     def _on_wake(self, msg: MP.Wake) -> None:
         if self.idle.wake():
-            self.idle_since = time.monotonic()
+            self.clock.since = time.monotonic()
             self.say_ready()
 
     def say_ready(self) -> None:
@@ -322,9 +294,9 @@ class EngineServer:
 
     def _on_freezing(self, msg: MP.FreezingControl) -> None:
         if msg.enabled:
-            self.freeze_grace_ms = int(msg.grace_s * 1000)
+            self.clock.freeze_grace_ms = int(msg.grace_s * 1000)
         else:
-            self.freeze_grace_ms = None
+            self.clock.freeze_grace_ms = None
             self.group.thaw()
         log.info("freezing %s", "enabled" if msg.enabled else "disabled")
 

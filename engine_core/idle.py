@@ -28,6 +28,7 @@ is false: CPU) falls back to "unload", with a warning at load.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -148,3 +149,48 @@ class IdleRelease:
 
 def _fmt(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+class IdleClock:
+    """When the engine last worked, and the one-shot deadlines armed on its busy→idle
+    transition: the workers' freeze (``freeze_grace_ms`` after the last step, if freezing is on)
+    and telling the manager it is idle (``IdleRelease.due_in_ms``). Nothing ticks: the engine's
+    poll sleeps until the nearest one, or until a message comes when none is armed."""
+
+    def __init__(self, group, idle: "IdleRelease", freeze_grace_ms: int | None):
+        self.group = group
+        self.idle = idle
+        self.freeze_grace_ms = freeze_grace_ms
+        self.since = time.monotonic()  # the last step's end (monotonic)
+
+    @property
+    def since_wall(self) -> float:
+        """``since`` on the wall clock (the manager's status): derived, so a step reads one clock."""
+        return time.time() - (time.monotonic() - self.since)
+
+    def worked(self) -> None:
+        """A step ran: the idle period starts again (and with it both deadlines)."""
+        self.since = time.monotonic()
+        self.idle.worked()
+
+    def idle_ms(self) -> int:
+        return int((time.monotonic() - self.since) * 1000)
+
+    def _freeze_due_in_ms(self, idle_ms: int) -> int | None:
+        if self.group.frozen or self.freeze_grace_ms is None:
+            return None
+        return max(0, self.freeze_grace_ms - idle_ms)
+
+    def timeout_ms(self) -> int | None:
+        """The nearest of the freeze and the idle-release deadlines; None: sleep until a message comes."""
+        idle_ms = self.idle_ms()
+        due = [d for d in (self._freeze_due_in_ms(idle_ms), self.idle.due_in_ms(idle_ms)) if d is not None]
+        return min(due) if due else None
+
+    def fire(self, say_idle: Callable[[int], None]) -> None:
+        """What is due now: the freeze, and ``say_idle(idle_ms)`` once per idle period."""
+        idle_ms = self.idle_ms()
+        if self._freeze_due_in_ms(idle_ms) == 0:
+            self.group.freeze()
+        if self.idle.take_due(idle_ms):
+            say_idle(idle_ms)

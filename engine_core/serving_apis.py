@@ -173,21 +173,29 @@ class Driven:
         return items
 
     def close(self) -> None:
-        for obj in (self.pending, self.stream, self.coro):
-            close = getattr(obj, "close", None) or getattr(obj, "aclose", None)
-            if obj is not None and close is not None:
-                try:
-                    result = close()
-                    if hasattr(result, "send"):  # an async generator's aclose(): run it to its end
-                        try:
-                            result.send(None)
-                        except (StopIteration, StopAsyncIteration):
-                            pass
-                        except RuntimeError:
-                            pass
-                except Exception:  # noqa: BLE001 - closing what is abandoned
-                    log.debug("closing a serving coroutine", exc_info=True)
+        """Abandon it (an abort, a failure): its ``finally`` blocks run, as a cancelled request's do."""
+        if self.pending is not None:  # the stream, suspended mid-step: GeneratorExit at that await
+            try:
+                self.pending.throw(GeneratorExit)
+            except (GeneratorExit, StopIteration, StopAsyncIteration, RuntimeError):
+                pass
+            self.pending = None
+        if self.stream is not None:
+            _run_once(self.stream.aclose())
+        try:
+            self.coro.close()
+        except RuntimeError:  # it swallowed GeneratorExit: nothing more to do for it
+            pass
         self.done = True
+
+
+def _run_once(awaitable) -> None:
+    try:
+        awaitable.send(None)
+    except (StopIteration, StopAsyncIteration, GeneratorExit, RuntimeError):
+        pass
+    else:
+        awaitable.close()
 
 
 def _json(body) -> str:

@@ -285,3 +285,10 @@ def test_bad_input_is_a_4xx_in_the_apis_shape_and_loses_nothing(tools_daemon, st
                                                         "max_output_tokens": 3}).status == 200
     assert http(tools_daemon, "POST", "/v1/messages", {"model": "tools", "max_tokens": 3,
                                                        "messages": [{"role": "user", "content": "Hi"}]}).status == 200
+
+
+def test_the_endpoints_are_in_openapi_and_metrics(tools_daemon):
+    paths = http(tools_daemon, "GET", "/openapi.json").json()["paths"]
+    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= set(paths)
+    metrics = http(tools_daemon, "GET", "/metrics").text
+    assert 'endpoint="/v1/responses",status="200"' in metrics and 'endpoint="/v1/messages",status="200"' in metrics

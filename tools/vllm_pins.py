@@ -82,6 +82,37 @@ PINS = [
         "engine_core/tokenizing.py TokenizerEndpoints.tokenize mirrors its chat rendering (template, tools)"),
     Pin("OnlineRenderer.preprocess_chat", "vllm.renderers.online_renderer:OnlineRenderer.preprocess_chat",
         "engine_core/chat_parsing.py _SyncRenderer stands in for the renderer it awaits (render_chat_async)"),
+    Pin("init_generate_state", "vllm.entrypoints.generate.api_router:init_generate_state",
+        "engine_core/serving_apis.py ServingApis builds OpenAIServingResponses and AnthropicServingMessages "
+        "with the arguments it passes"),
+    Pin("OpenAIServingResponses._create_responses",
+        "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses._create_responses",
+        "engine_core/serving_apis.py drives it without an event loop (Driven) and records its "
+        "engine_client.generate call (ServingEngineClient): it must await nothing but the feed"),
+    Pin("OpenAIServingResponses._generate_with_builtin_tools",
+        "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses._generate_with_builtin_tools",
+        "engine_core/serving_apis.py: its engine_client.generate feed is what the engine fills"),
+    Pin("OpenAIServingResponses.responses_stream_generator",
+        "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.responses_stream_generator",
+        "engine_core/serving_apis.py Driven: a stream's events, turn by turn"),
+    Pin("responses _convert_stream_to_sse_events",
+        "vllm.entrypoints.openai.responses.api_router:_convert_stream_to_sse_events",
+        "engine_core/serving_apis.py ApiRequest._shown mirrors its SSE framing"),
+    Pin("responses create_responses route", "vllm.entrypoints.openai.responses.api_router:create_responses",
+        "engine_core/serving_apis.py ApiRequest._whole mirrors its body (model_dump mode=json by_alias)"),
+    Pin("AnthropicServingMessages.create_messages",
+        "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.create_messages",
+        "engine_core/serving_apis.py drives it (through OpenAIServingChat.create_chat_completion)"),
+    Pin("messages create_messages route", "vllm.entrypoints.anthropic.api_router:create_messages",
+        "engine_core/serving_apis.py ApiRequest._whole (exclude_none) and api_gateway/passthrough.py "
+        "anthropic_error_body mirror it"),
+    Pin("OpenAIServingChat._create_chat_completion",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat._create_chat_completion",
+        "engine_core/serving_apis.py drives it for /v1/messages and records its engine_client.generate call"),
+    Pin("RequestOutput.__init__", "vllm.outputs:RequestOutput.__init__",
+        "engine_core/serving_apis.py ApiRequest.replay makes the client's deltas RequestOutputs again"),
+    Pin("SimpleContext.append_output", "vllm.entrypoints.openai.responses.context:SimpleContext.append_output",
+        "engine_core/serving_apis.py ApiRequest.deltas rewrites a continued request's prompt ids for it"),
 ]
 
 
