@@ -2,6 +2,7 @@
 
     python -m bench.tools                     # 3 alternating rounds, c=1 and c=16
     python -m bench.tools --rounds 5 --concurrency 1,4,16
+    python -m bench.tools --apis responses,messages   # the same turns on /v1/responses, /v1/messages
     python -m bench.tools --smoke             # the harness itself, tiny counts
 
 Both serve the bundled tool-calling model (servectl/model/tools) with the same
@@ -57,7 +58,41 @@ class ServectlTools(Servectl):
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def load(base: str, concurrency: int, total: int) -> dict:
+def request(api: str, question: str) -> tuple[str, dict]:
+    """(path, body) of one streamed agent turn on ``api``: chat, responses or messages."""
+    ask = {"role": "user", "content": question}
+    if api == "responses":
+        return "/v1/responses", {"model": "tools", "temperature": 0, "max_output_tokens": 200, "stream": True,
+                                 "input": question, "tools": [{"type": "function", **t["function"]} for t in TOOLS]}
+    if api == "messages":
+        return "/v1/messages", {"model": "tools", "temperature": 0, "max_tokens": 200, "stream": True,
+                                "messages": [ask], "tools": [{"name": t["function"]["name"],
+                                                              "description": t["function"]["description"],
+                                                              "input_schema": t["function"]["parameters"]}
+                                                             for t in TOOLS]}
+    return "/v1/chat/completions", {"model": "tools", "temperature": 0, "max_tokens": 200, "stream": True,
+                                    "tools": TOOLS, "stream_options": {"include_usage": True}, "messages": [ask]}
+
+
+def read_event(api: str, event: dict) -> tuple[int, bool, bool]:
+    """(output tokens it reports, whether it shows output, whether it says a tool was called)."""
+    if api == "responses":
+        kind = event.get("type", "")
+        if kind == "response.completed":
+            r = event["response"]
+            return r["usage"]["output_tokens"], False, any(i["type"] == "function_call" for i in r["output"])
+        return 0, kind.endswith(".delta"), False
+    if api == "messages":
+        kind = event.get("type")
+        if kind == "message_delta":
+            return event["usage"]["output_tokens"], False, event["delta"].get("stop_reason") == "tool_use"
+        return 0, kind == "content_block_delta", False
+    tokens = event["usage"]["completion_tokens"] if event.get("usage") and not event["choices"] else 0
+    shows = any((c.get("delta") or {}).get(k) for c in event["choices"] for k in ("reasoning", "content", "tool_calls"))
+    return tokens, shows, any(c.get("finish_reason") == "tool_calls" for c in event["choices"])
+
+
+async def load(base: str, concurrency: int, total: int, api: str = "chat") -> dict:
     """``total`` streamed agent turns at ``concurrency``: throughput, TTFT and latency."""
     import aiohttp
 
@@ -66,28 +101,23 @@ async def load(base: str, concurrency: int, total: int) -> dict:
 
     async def one(session, i: int):
         nonlocal tokens, failed, calls
-        body = {"model": "tools", "temperature": 0, "max_tokens": 200, "stream": True, "tools": TOOLS,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": f"What is the weather in {CITIES[i % len(CITIES)]}?"}]}
+        path, body = request(api, f"What is the weather in {CITIES[i % len(CITIES)]}?")
         async with sem:
             t0 = time.monotonic()
             first = None
             try:
-                async with session.post(f"{base}/v1/chat/completions", json=body) as r:
+                async with session.post(f"{base}{path}", json=body) as r:
                     if r.status != 200:
                         failed += 1
                         return
                     async for line in r.content:
                         if not line.startswith(b"data: {"):
                             continue
-                        event = json.loads(line[6:])
-                        if event.get("usage") and not event["choices"]:
-                            tokens += event["usage"]["completion_tokens"]
-                        for c in event["choices"]:
-                            d = c.get("delta") or {}
-                            if first is None and (d.get("reasoning") or d.get("content") or d.get("tool_calls")):
-                                first = time.monotonic() - t0
-                            calls += bool(c.get("finish_reason") == "tool_calls")
+                        n, shows, called = read_event(api, json.loads(line[6:]))
+                        tokens += n
+                        calls += called
+                        if first is None and shows:
+                            first = time.monotonic() - t0
             except aiohttp.ClientError:
                 failed += 1
                 return
@@ -108,13 +138,18 @@ async def load(base: str, concurrency: int, total: int) -> dict:
 FIGURES = ("output_throughput", "requests_per_s", "median_ttft_ms", "median_e2e_ms")
 
 
-def one_round(server, concurrency: list[int], per_cell: int) -> dict:
+def one_round(server, concurrency: list[int], per_cell: int, apis: list[str]) -> dict:
     server.start()
     try:
         if wait_health(server.base, server.proc, 900) is None:
             raise SystemExit(f"{server.name} did not start")
-        asyncio.run(load(server.base, 2, 4))  # warm-up, not counted
-        return {str(c): asyncio.run(load(server.base, c, max(per_cell, 2 * c))) for c in concurrency}
+        out = {}
+        for api in apis:
+            asyncio.run(load(server.base, 2, 4, api))  # warm-up, not counted
+            for c in concurrency:
+                out[str(c) if api == "chat" else f"{api} c={c}"] = asyncio.run(
+                    load(server.base, c, max(per_cell, 2 * c), api))
+        return out
     finally:
         server.stop()
 
@@ -155,14 +190,15 @@ def markdown(res: dict) -> str:
     s = res["summary"]
     lines = [f"# Tools cell ({res['date']}, {res['rounds']} alternating rounds, {res['machine']['cpu']}, "
              f"{res['machine']['cores']} cores)", "",
-             "Streamed `auto` tool calls with reasoning (tools model, hermes + qwen3), median [min–max] of the rounds.",
+             "Streamed `auto` tool calls with reasoning (tools model, hermes + qwen3), median [min–max] of the rounds; "
+             "chat completions unless the cell names `responses` (/v1/responses) or `messages` (/v1/messages).",
              "", "| cell | figure | vllm serve | servectl | servectl / vllm serve |", "|---|---|---|---|---|"]
     for cell in s["vllm serve"]:
         for f in FIGURES:
             a, b = s["vllm serve"][cell].get(f), s["servectl"][cell].get(f)
             if not a or not b:
                 continue
-            lines.append(f"| c={cell} | {f} | {a['median']:.1f} [{a['min']:.1f}–{a['max']:.1f}] | "
+            lines.append(f"| {cell if ' c=' in cell else 'c=' + cell} | {f} | {a['median']:.1f} [{a['min']:.1f}–{a['max']:.1f}] | "
                          f"{b['median']:.1f} [{b['min']:.1f}–{b['max']:.1f}] | {b['median'] / a['median']:.2f}× |")
     return "\n".join(lines) + "\n"
 
@@ -171,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--apis", default="chat", help="chat, responses, messages (comma-separated)")
     ap.add_argument("--requests", type=int, default=24, help="per cell (at least 2 × concurrency)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p = ap.parse_args(argv)
     concurrency = [int(c) for c in p.concurrency.split(",")]
+    apis = p.apis.split(",")
     if p.smoke:
         p.rounds, concurrency, p.requests = 1, [2], 2
     rounds: dict[str, list[dict]] = {"vllm serve": [], "servectl": []}
@@ -185,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("vllm serve", "servectl"):
                 server = (VllmServe(work, model=TOOLS_DIR, served="tools", flags=FLAGS, max_model_len=MAX_MODEL_LEN)
                           if name == "vllm serve" else ServectlTools(work, label=f"tools-{i}"))
-                result = one_round(server, concurrency, p.requests)
+                result = one_round(server, concurrency, p.requests, apis)
                 rounds[name].append(result)
                 print(f"round {i + 1} {name}: " + ", ".join(
-                    f"c={c} {r['output_throughput']:.1f} tok/s ({r['failed']} failed)" for c, r in result.items()),
+                    f"{c} {r['output_throughput']:.1f} tok/s ({r['failed']} failed)" for c, r in result.items()),
                     flush=True)
     date = time.strftime("%Y-%m-%d")
     res = {"date": date, "rounds": p.rounds, "machine": machine(), "concurrency": concurrency, "raw": rounds,
@@ -197,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res["summary"], indent=1))
         return 0 if all(r[c]["failed"] == 0 for rs in rounds.values() for r in rs for c in r) else 1
     p.out.mkdir(parents=True, exist_ok=True)
-    (p.out / f"{date}-tools.json").write_text(json.dumps(res, indent=1) + "\n")
-    (p.out / f"{date}-tools.md").write_text(markdown(res))
+    stem = f"{date}-tools" + ("" if apis == ["chat"] else "-" + "-".join(apis))
+    (p.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (p.out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return 0
 
