@@ -1,4 +1,4 @@
-"""No 5xx from any input: property-based tests of both generation endpoints (issues 4, 15).
+"""No 5xx from any input: property-based tests of the generation endpoints (issues 4, 15, 32).
 
 Every field of both request schemas, drawn mostly valid (so requests get past
 validation into the engine) and otherwise at the edges: integers at and beyond
@@ -19,6 +19,7 @@ import math
 import os
 import time
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +148,58 @@ def bodies(draw, required: dict, optional: dict, tokens_field: str):
     return {k: v for k, v in body.items() if v is not DELETE}
 
 
+# Issue 32: the Responses and Messages APIs (vLLM's classes take them whole, in the engine).
+input_item = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+     "content": texts | st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": texts}), max_size=2)})
+RESPONSES = {
+    **{k: SAMPLING[k] for k in ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",
+                                "frequency_penalty", "repetition_penalty", "stream", "user", "an_unknown_field")},
+    "max_output_tokens": SAMPLING["max_tokens"],
+    "instructions": (st.none() | texts, anything),
+    "tools": (st.none(), edges([{"type": "function"}], [], [{"type": "function", "name": "f", "parameters": {}}],
+                               [{"type": "web_search"}], [{"type": "mcp", "server_label": "x"}])),
+    "tool_choice": (st.sampled_from(["auto", "none"]), edges("required", {"type": "function", "name": "x"}, 1)),
+    "include": (st.none(), edges(["message.output_text.logprobs"], ["nope"], "x")),
+    "top_logprobs": (st.integers(0, 5), edges(-1, 21, 2**64)),
+    "text": (st.none(), edges({"format": {"type": "json_object"}}, {"format": 1}, {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "string", "maxLength": 2}}})),
+    "reasoning": (st.none(), edges({"effort": "low"}, {"effort": 5})),
+    "store": (st.booleans(), anything),
+    "background": (st.just(False), edges(True, "x")),
+    "previous_response_id": (st.none(), edges("resp_0123456789abcdef", 5)),
+    "metadata": (st.none(), anything),
+}
+REQUIRED_RESPONSES = {
+    "model": REQUIRED_COMPLETION["model"],
+    "input": (texts | st.lists(input_item, min_size=1, max_size=3),
+              edges("", [], [{}], 5, [{"type": "function_call_output", "call_id": "c", "output": "x"}],
+                    [{"type": "function_call", "name": "f", "arguments": "{"}],
+                    [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])),
+}
+a_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]),
+     "content": texts | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)})
+MESSAGES = {
+    **{k: SAMPLING[k] for k in ("temperature", "top_p", "top_k", "stream", "an_unknown_field")},
+    "max_tokens": SAMPLING["max_tokens"],
+    "system": (st.none() | texts, anything),
+    "stop_sequences": (st.none() | short_lists, edges([""], "x", [1])),
+    "tools": (st.none(), edges([{"name": "t"}], [{"name": "t", "input_schema": {}}], [])),
+    "tool_choice": (st.none(), edges({"type": "any"}, {"type": "tool"}, {"type": "tool", "name": "t"}, "auto")),
+    "thinking": (st.none(), edges({"type": "enabled", "budget_tokens": 1}, {"type": "disabled"}, {"type": "x"})),
+    "metadata": (st.none(), anything),
+}
+REQUIRED_MESSAGES = {
+    "model": REQUIRED_COMPLETION["model"],
+    "messages": (st.lists(a_message, min_size=1, max_size=3), edges([], [{}], [{"role": "user"}], [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": 5}]}], [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}])),
+}
+
 completion_bodies = bodies(REQUIRED_COMPLETION, COMPLETION, "max_tokens")
+responses_bodies = bodies(REQUIRED_RESPONSES, RESPONSES, "max_output_tokens")
+messages_bodies = bodies(REQUIRED_MESSAGES, MESSAGES, "max_tokens")
 chat_bodies = bodies(REQUIRED_CHAT, CHAT, "max_completion_tokens")
 # Header values: the key, a wrong one, bytes that are not UTF-8 (never CR/LF: that is another request).
 header_bytes = st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"").replace(b"\0", b""))
@@ -197,6 +249,30 @@ class Client:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def check_api(path: str, status: int, data: bytes, ctype: str) -> None:
+    """Responses / Messages: no 5xx, each API's error shape, streams that end as vLLM's do."""
+    assert status < 500, (status, data[:500])
+    if status >= 400:
+        assert ctype.startswith("application/json"), (status, ctype, data[:200])
+        body = json.loads(data)
+        err = body["error"]
+        if path.startswith("/v1/messages"):
+            assert body["type"] == "error" and err["type"] and err["message"], body
+        else:
+            assert isinstance(err["message"], str) and err["message"] and {"type", "param", "code"} <= set(err), err
+    elif ctype.startswith("text/event-stream"):
+        events = [(line[7:], json.loads(nxt[6:])) for line, nxt in zip(*[iter(
+            [x for x in sse_lines(data.decode()) if x.startswith(("event: ", "data: "))])] * 2)]
+        assert events, data[-300:]
+        for name, body in events:
+            assert name == body["type"], (name, body)
+            assert name != "error" or not str(body.get("code", body.get("error", {}).get("type"))).startswith("5"), body
+        assert events[-1][0] in ("response.completed", "message_stop", "error"), events[-1]
+    else:
+        body = json.loads(data)
+        assert body["object"] == "response" if path == "/v1/responses" else body["type"] == "message", body
 
 
 def check(status: int, data: bytes, ctype: str) -> None:
@@ -269,6 +345,29 @@ def test_completions_schema(daemon):
 
 def test_chat_schema(daemon):
     fuzz_endpoint(daemon, "/v1/chat/completions", chat_bodies)
+
+
+API = settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_responses_and_messages_schema(daemon, path):
+    client = Client(daemon)
+
+    @API
+    @given(body=responses_bodies if path == "/v1/responses" else messages_bodies, nan_ok=st.booleans())
+    def one(body, nan_ok):
+        try:
+            raw = encode(body, nan_ok, False)
+        except ValueError:
+            raw = encode(body, True, False)
+        check_api(path, *client.send(path, raw, {}))
+
+    try:
+        one()
+    finally:
+        client.close()
 
 
 def test_arbitrary_json_and_bytes(daemon):
