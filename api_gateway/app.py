@@ -38,7 +38,7 @@ from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
-from api_gateway.passthrough import MESSAGES_PREFIX, ApiEndpoints, anthropic_error_body
+from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, ApiEndpoints, anthropic_error_body, check_kind
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
@@ -50,8 +50,8 @@ from servectl.wire.vocab import ExitCode, ModelState
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
 
-# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer endpoints).
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer and pooling endpoints).
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", *POOLING_PATHS})
 
 
 def error_response(exc: HttpError, path: str = "") -> web.Response:
@@ -136,7 +136,7 @@ class Gateway:
                 response = web.Response(status=204, headers=self.cors.preflight_headers(
                     origin, request.headers.get("Access-Control-Request-Headers")))
             else:
-                if not self.keys.api_open and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
+                if not self.keys.api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS):
                     self.check_auth(request)
                 response = await handler(request)
         except asyncio.CancelledError:
@@ -237,7 +237,8 @@ class Gateway:
 
     def card(self, name: str) -> H.ModelCard:
         link = self.links[name]
-        return H.ModelCard(id=name, created=self.created, max_model_len=link.max_model_len, state=link.status)
+        return H.ModelCard(id=name, created=self.created, max_model_len=link.max_model_len, state=link.status,
+                           tasks=link.supported_tasks or None)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__, "protocol": EP.PROTOCOL_VERSION})
@@ -300,6 +301,7 @@ class Gateway:
                 await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
             except EngineUnavailable as exc:
                 raise unavailable(exc) from None
+            check_kind(req.model, link.supported_tasks, request.path)
             return await self.generator.respond(request, req, run, chat, base)
 
     def check_room(self, link: EngineLink, seqs: int) -> None:

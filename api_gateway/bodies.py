@@ -27,7 +27,8 @@ log = logging.getLogger("api_gateway")
 
 TYPES = {"completion": H.CompletionRequest, "chat": H.ChatCompletionRequest, "tokenize": H.TokenizeRequest,
          "detokenize": H.DetokenizeRequest, "responses": H.PassthroughRequest, "messages": H.PassthroughRequest,
-         "count_tokens": H.PassthroughRequest}
+         "count_tokens": H.PassthroughRequest,
+         **dict.fromkeys(("embeddings", "embed", "pooling", "score", "rerank", "classify"), H.PassthroughRequest)}
 
 
 async def read_body(request: web.Request, cfg: GatewayConfig, endpoint: str):

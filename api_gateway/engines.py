@@ -97,6 +97,7 @@ class EngineLink:
         self.incarnation = ""  # set once the engine answered our Hello
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
+        self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -315,8 +316,8 @@ class EngineLink:
         if msg.incarnation != incarnation:
             return  # hello of a different lifetime of the engine
         self.incarnation = msg.incarnation
-        self.max_model_len = msg.max_model_len
-        self.max_num_seqs = msg.max_num_seqs
+        self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
+        self.supported_tasks = list(msg.tasks)
         if self._swap(HELLO_PENDING, S.READY):
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)
 

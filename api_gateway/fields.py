@@ -87,6 +87,13 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
         "return_mm_kwargs": (_RENDER, ()),
     },
     "count_tokens": {},
+    # the pooling routes (each the union of its request classes' variants)
+    "embeddings": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},))},
+    "embed": {"images": (_MM, ())},
+    "pooling": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},)), "data": ("vLLM's IO processor plugins are not supported", ())},
+    "score": {"mm_processor_kwargs": (_MM, ({},))},
+    "rerank": {"mm_processor_kwargs": (_MM, ({},))},
+    "classify": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},))},
 }
 
 # OpenAI API fields that vLLM's classes do not define.
@@ -149,6 +156,38 @@ API_FIELDS = {
     ),
     "count_tokens": (
         "model", "messages", "output_config", "system", "thinking", "tool_choice", "tools", "chat_template_kwargs",
+    ),
+    # the pooling routes, vLLM's pooling serving classes (engine_core/pooling_apis.py)
+    "embeddings": (
+        "add_special_tokens", "padding", "encoding_format", "embed_dtype", "endianness", "dimensions",
+        "use_activation", "input", "model", "user", "truncate_prompt_tokens", "truncation_side", "request_id",
+        "priority", "cache_salt", "add_generation_prompt", "continue_final_message", "chat_template",
+        "chat_template_kwargs", "messages",
+    ),
+    "embed": (
+        "model", "input_type", "texts", "inputs", "output_dimension", "embedding_types", "truncate", "max_tokens",
+        "priority",
+    ),
+    "pooling": (
+        "add_special_tokens", "use_activation", "encoding_format", "embed_dtype", "endianness", "dimensions",
+        "input", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id", "priority",
+        "cache_salt", "task", "add_generation_prompt", "continue_final_message", "chat_template",
+        "chat_template_kwargs", "messages",
+    ),
+    "score": (
+        "use_activation", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id",
+        "priority", "cache_salt", "max_tokens_per_query", "max_tokens_per_doc", "instruction",
+        "chat_template_kwargs", "queries", "documents", "items", "data_1", "data_2", "text_1", "text_2",
+    ),
+    "rerank": (
+        "use_activation", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id",
+        "priority", "cache_salt", "max_tokens_per_query", "max_tokens_per_doc", "instruction",
+        "chat_template_kwargs", "query", "documents", "top_n",
+    ),
+    "classify": (
+        "add_special_tokens", "use_activation", "input", "model", "user", "truncate_prompt_tokens", "padding",
+        "truncation_side", "request_id", "priority", "cache_salt", "add_generation_prompt", "continue_final_message",
+        "chat_template", "chat_template_kwargs", "messages",
     ),
 }
 # Forwarded, and named in the ignored-fields header where set: vLLM ignores them itself.

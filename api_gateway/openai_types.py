@@ -341,6 +341,9 @@ class ModelCard(Struct, kw_only=True):
     root: str | None = None
     max_model_len: int | None = None
     state: str | None = None
+    # servectl: what the model does (vLLM's tasks: ["generate"], or pooling ones such as
+    # ["embed", "token_embed"]), once its engine has said so
+    tasks: list[str] | None = None
 
 
 class ModelList(Struct, kw_only=True):

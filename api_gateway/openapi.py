@@ -7,6 +7,7 @@ from functools import lru_cache
 import msgspec
 
 from api_gateway import openai_types as H
+from api_gateway.passthrough import POOLING_PATHS
 
 
 @lru_cache(maxsize=1)
@@ -46,6 +47,8 @@ def spec() -> dict:
             "/v1/messages": passthrough("Anthropic's Messages API, answered by vLLM's AnthropicServingMessages "
                                         "(its AnthropicMessagesRequest; stream: message_start ... message_stop)"),
             "/v1/messages/count_tokens": passthrough("Anthropic's token count (AnthropicCountTokensRequest)"),
+            **{path: passthrough(f"vLLM's pooling route {path} (a pooling model; its request class)")
+               for path in POOLING_PATHS},
             "/v1/models": {"get": {"responses": {"200": {"description": "served models", "content": {
                 "application/json": {"schema": ref["ModelList"]}}}}}},
             "/v1/models/{model}": {"get": {

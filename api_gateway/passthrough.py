@@ -1,4 +1,4 @@
-"""The Responses and Messages endpoints: answers the engine makes whole, passed through.
+"""The Responses, Messages and pooling endpoints: answers the engine makes whole, passed through.
 
 ``/v1/responses`` and ``/v1/messages`` are answered by vLLM's own serving
 classes, which run in the model's engine (engine_core/serving_apis.py): the
@@ -8,7 +8,12 @@ gateway does here what it does for every endpoint (the body read and its
 fields sorted, the model routed, admission, holding through a restart) and
 writes what the engine made. ``/v1/messages/count_tokens`` is a tokenizer
 question to the engine. vLLM keeps no responses (its store is off), so
-``GET /v1/responses/{id}`` and its cancel are its 404.
+``GET /v1/responses/{id}`` and its cancel are its 404. The pooling routes
+(``/v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/score``, ``/rerank``,
+``/classify``, ...) are answered by vLLM's pooling serving classes in the
+engine (engine_core/pooling_apis.py), whole. A request to a model of the
+other kind (generating, pooling: the engine's ``HelloReply.tasks``) is a 400
+naming the endpoints that fit.
 
 Errors keep each API's shape: OpenAI's on ``/v1/responses``, Anthropic's
 (``{"type": "error", "error": {...}}``) on ``/v1/messages``; a failure after a
@@ -29,6 +34,25 @@ from api_gateway.errors import EngineUnavailable, HttpError, unavailable
 from servectl.wire import engine as EP
 
 MESSAGES_PREFIX = "/v1/messages"
+# The pooling routes `vllm serve` registers, and the request kind each takes (engine_core/pooling_apis.py).
+POOLING_PATHS = {"/v1/embeddings": "embeddings", "/v2/embed": "embed", "/pooling": "pooling", "/score": "score",
+                 "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank", "/v2/rerank": "rerank",
+                 "/classify": "classify"}
+GENERATE_PATHS = "/v1/completions, /v1/chat/completions, /v1/responses or /v1/messages"
+
+
+def check_kind(model: str, tasks: list[str], path: str) -> None:
+    """A request to a model of the other kind: a 400 naming the endpoints that fit it."""
+    if not tasks:
+        return  # not told (an engine of an older protocol): the engine's own answer stands
+    pooling = path in POOLING_PATHS
+    if pooling and "generate" in tasks and len(tasks) == 1:
+        raise HttpError(400, f"model {model!r} generates text: use {GENERATE_PATHS}", param="model",
+                        code="wrong_model_kind")
+    if not pooling and "generate" not in tasks:
+        raise HttpError(400, f"model {model!r} is a pooling model ({', '.join(tasks)}): use /v1/embeddings, "
+                             "/pooling, /score, /rerank or /classify, as its tasks allow", param="model",
+                        code="wrong_model_kind")
 
 
 # Content parts that would make the engine fetch or decode media (the renderer there is text only).
@@ -65,12 +89,17 @@ class ApiEndpoints:
         app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        for path in POOLING_PATHS:
+            app.router.add_post(path, self.pooling)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, "responses")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self.serve(request, "messages")
+
+    async def pooling(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, POOLING_PATHS[request.path])
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """vLLM without its store (VLLM_ENABLE_RESPONSES_API_STORE off): no response is kept."""
@@ -88,6 +117,10 @@ class ApiEndpoints:
         req, forward = await read_body(request, g.cfg, kind)
         for field in ("input", "messages", "system"):
             check_text_only(forward.get(field), field)
+        if forward.get("encoding_format") in ("bytes", "bytes_only"):
+            raise HttpError(400, "`encoding_format` bytes and bytes_only are not supported by servectl (vLLM streams "
+                                 "them as raw binary); use float or base64", param="encoding_format",
+                            code="unsupported_parameter")
         model = g.model_for(req.model)
         request["log"]["model"] = model
         link = g.link_for(model)
@@ -102,7 +135,8 @@ class ApiEndpoints:
                 await link.wait_ready(link.hold_s(g.cfg.hold_timeout_s), 1)
             except EngineUnavailable as exc:
                 raise unavailable(exc) from None
-            if req.stream:
+            check_kind(model, link.supported_tasks, request.path)
+            if req.stream and kind in ("responses", "messages"):
                 return await self.stream(request, kind, run, model)
             return await self.complete(request, run, model)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import zmq
 
 from engine_core import metrics as engine_metrics
 from engine_core.coalesce import HeldOutput
+from engine_core.control_handlers import ManagerMessages
 from engine_core.idle import IdleClock, IdleRelease
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
@@ -38,7 +38,7 @@ from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.workers import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
 from servectl.wire import engine as P
-from servectl.wire.spawn import EngineSpec, engine_component
+from servectl.wire.spawn import EngineSpec
 from servectl.wire.vocab import IdleMode
 
 log = logging.getLogger("engine_core")
@@ -62,7 +62,7 @@ class StepFailed(RuntimeError):
     """``LLMEngine.step`` raised: which request, if any, caused it is unknown."""
 
 
-class EngineServer:
+class EngineServer(ManagerMessages):
     """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER."""
 
     # Requests are built, and tokenizer questions answered, the way vLLM's OpenAI server does
@@ -73,7 +73,7 @@ class EngineServer:
         from engine_core.requests import request_builder
 
         return request_builder(self.engine.vllm_config, self.engine.renderer, self.spec.model,
-                               getattr(self.engine, "input_processor", None))
+                               getattr(self.engine, "input_processor", None), self.tasks)
 
     @functools.cached_property
     def tokenizer_endpoints(self):
@@ -94,6 +94,10 @@ class EngineServer:
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
         self.requests: dict[str, InFlight] = {}  # request id -> what the engine keeps for it
+        # A pooling request's engine requests (one per prompt, vLLM's ids) -> its request id.
+        self.pooled: dict[str, str] = {}
+        getter = getattr(engine, "get_supported_tasks", None)
+        self.tasks = tuple(getter()) if getter is not None else ("generate",)
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
@@ -191,7 +195,8 @@ class EngineServer:
     def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
         self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
                                       model=self.spec.model.name, max_model_len=self.max_model_len,
-                                      max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected))
+                                      max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
+                                      tasks=list(self.tasks)))
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)
@@ -243,62 +248,6 @@ class EngineServer:
     def _reject(self, peer: bytes, why: str) -> None:
         self.rejected += 1
         log.warning("rejected frame from %r: %s (%d rejected so far)", peer[:32], why[:200], self.rejected)
-
-    def _drain_control(self) -> None:
-        while True:
-            try:
-                body = self.control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = MP.to_engine_decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("rejected control frame: %s", exc)
-                continue
-            self.on_control[type(msg)](msg)
-
-    # ---- one handler per manager message ----------------------------------------
-    def _on_abort_peer(self, msg: MP.AbortPeer) -> None:
-        ids = list(self.by_peer.pop(msg.peer.encode(), ()))
-        if ids:
-            log.info("aborting %d request(s) of dead gateway %s", len(ids), msg.peer)
-            self._abort(ids)
-
-    def _on_drain(self, msg: MP.Drain) -> None:
-        self.draining = True
-        log.info("draining: %d request(s) unfinished", self.engine.get_num_unfinished_requests())
-        self._check_drained()
-
-    def _on_release(self, msg: MP.Release) -> None:
-        """The manager releases the idle engine, unless a request came in since GroupIdle."""
-        busy = (self.engine.has_unfinished_requests() or bool(self.in_flight) or bool(self.pending)
-                or self.draining)
-        released, device_memory = self.idle.release(busy)
-        if released:
-            log.info("released (%s): new requests are held by the gateways until a wake", self.idle.mode)
-        self.control.send(MP.encoder.encode(MP.GroupReleased(
-            model=self.spec.model.name, incarnation=self.spec.incarnation, released=released, mode=self.idle.mode,
-            device_memory_bytes=device_memory)))
-
-    def _on_wake(self, msg: MP.Wake) -> None:
-        if self.idle.wake():
-            self.clock.since = time.monotonic()
-            self.say_ready()
-
-    def say_ready(self) -> None:
-        """ChildReady to the manager: at start, and after a wake from sleep (same incarnation)."""
-        self.control.send(MP.encoder.encode(MP.ChildReady(
-            component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
-            max_model_len=self.max_model_len, idle_release=self.idle.mode,
-            device_memory_bytes=self.idle.device_memory())))
-
-    def _on_freezing(self, msg: MP.FreezingControl) -> None:
-        if msg.enabled:
-            self.clock.freeze_grace_ms = int(msg.grace_s * 1000)
-        else:
-            self.clock.freeze_grace_ms = None
-            self.group.thaw()
-        log.info("freezing %s", "enabled" if msg.enabled else "disabled")
 
     def _send(self, peer: bytes, msg) -> None:
         try:
@@ -358,29 +307,36 @@ class EngineServer:
                 log.warning("request %s refused at admission: %s (param %s)", rid, type(exc).__name__, bad.param)
             self._refuse(peer, rid, str(bad), bad.status, bad.param)
             return
-        built.spec.whole = not msg.body.get("stream")
+        built.spec.whole = not msg.body.get("stream") and built.spec.pooling is None
         self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
         self.by_peer[peer].add(rid)
+        if built.spec.pooling is not None:
+            self.pooled.update((sub, rid) for sub in built.spec.pooling.ids)
 
     def _drop(self, rid: str) -> None:
         """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
         try:
-            self.engine.abort_request([rid])
+            self.engine.abort_request(self._vllm_ids([rid]))
         except Exception:  # noqa: BLE001 - nothing more can be done for it
             log.exception("dropping request %s", rid)
 
     def _build(self, msg: P.Generate) -> Built:
-        return self.builder.build(msg.kind, msg.body, msg.answer_id or msg.request_id)
+        return self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
             self.pending.pop(rid, None)
         live = [i for i in ids if i in self.requests]
         if live:
-            self.engine.abort_request(live)
+            self.engine.abort_request(self._vllm_ids(live))
             log.info("aborted %d request(s): %s", len(live), " ".join(live[:8]))
         for rid in live:
             self._forget(rid)
+
+    def _vllm_ids(self, ids: list[str]) -> list[str]:
+        """The ids vLLM knows these requests by (a pooling request: one per prompt)."""
+        pooled = [getattr(r.spec, "pooling", None) if (r := self.requests.get(i)) else None for i in ids]
+        return [v for i, p in zip(ids, pooled) for v in (p.ids if p is not None else [i])]
 
     def _forget(self, rid: str) -> None:
         """The one place a request's state goes: its record, its gateway's index entry, its held output."""
@@ -389,6 +345,8 @@ class EngineServer:
             api = getattr(req.spec, "api", None)
             if api is not None:  # a Responses / Messages request's serving code (serving_apis.py)
                 api.close()
+            for sub in getattr(req.spec, "pooling", None) and req.spec.pooling.ids or ():
+                self.pooled.pop(sub, None)
             mine = self.by_peer.get(req.peer)
             if mine is not None:
                 mine.discard(rid)
@@ -464,7 +422,7 @@ class EngineServer:
         batches: dict[bytes, list[P.Delta]] = defaultdict(list)
         now = time.monotonic()
         for ro in self.halves.process(kept):
-            rid = ro.request_id
+            rid = self.pooled.get(ro.request_id, ro.request_id)
             req = self.requests.get(rid)
             if req is None:
                 continue  # aborted meanwhile
@@ -486,7 +444,7 @@ class EngineServer:
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
                 continue
-            if ro.finished:
+            if ro.finished and getattr(getattr(spec, "pooling", None), "done", True):
                 self._forget(rid)
         for peer, deltas in batches.items():
             if deltas:  # (all of a gateway's may be held)

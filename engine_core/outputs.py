@@ -30,6 +30,8 @@ class OutputFormatter:
         """One delta per choice with new output in ``ro``; the first one of a request carries its prompt."""
         if spec.api is not None:  # a Responses / Messages request: vLLM's serving code shows it
             return spec.api.deltas(ro, first)
+        if spec.pooling is not None:  # one of a pooling request's prompts (pooling_apis.py)
+            return spec.pooling.deltas(ro)
         out = []
         for comp in ro.outputs:
             delta = P.Delta(request_id=ro.request_id, index=comp.index, text=comp.text,

@@ -16,6 +16,7 @@ message and parameter.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ class OutputSpec:
     constrained: bool = False  # a grammar constrains the output (it does not carry over a restart)
     # a Responses or Messages request (serving_apis.ApiRequest): vLLM's serving code shows its output
     api: Any = None
+    # a pooling request (pooling_apis.PoolingCall): one engine request per prompt, one answer
+    pooling: Any = None
     started: bool = False  # the request's first output (which carries its prompt) went out
     whole: bool = False  # not streamed: output after the first is held and merged (coalesce.py)
 
@@ -135,7 +138,7 @@ class RequestBuilder:
     """Builds vLLM requests for one engine (its model config, renderer and tokenizer)."""
 
     def __init__(self, model_config, renderer, frontend, trust_request_chat_template: bool = False,
-                 serving_apis=None):
+                 serving_apis=None, pooling_apis=None):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
@@ -154,10 +157,16 @@ class RequestBuilder:
         self.frontend = frontend  # chat_parsing.ChatFrontend: vLLM's OnlineRenderer for this model
         self.trust_request_chat_template = trust_request_chat_template
         self.serving_apis = serving_apis  # () -> serving_apis.ServingApis, made on first use
+        self.pooling_apis = pooling_apis  # () -> pooling_apis.PoolingApis, made on first use
         self._apis = None
         self.defaults, self.override_max_tokens = default_sampling(model_config)
         if self.defaults:
             log.info("default sampling parameters (generation config and overrides): %s", self.defaults)
+
+    @functools.cached_property
+    def pooling(self):
+        """vLLM's pooling serving classes for this model (pooling_apis.py)."""
+        return self.pooling_apis()
 
     @property
     def apis(self):
@@ -166,9 +175,11 @@ class RequestBuilder:
             self._apis = self.serving_apis()
         return self._apis
 
-    def build(self, kind: str, body: dict[str, Any], answer_id: str = "") -> Built:
+    def build(self, kind: str, body: dict[str, Any], request_id: str = "", answer_id: str = "") -> Built:
         if kind in ("responses", "messages"):  # vLLM's serving code builds it (serving_apis.py)
-            return self.apis.start(kind, body, answer_id)
+            return self.apis.start(kind, body, answer_id or request_id)
+        if kind in POOLING_ROUTES:  # vLLM's pooling serving classes (pooling_apis.py)
+            return self.pooling.start(kind, body, request_id, answer_id or request_id)
         try:
             if kind == "completion":
                 return self._completion(body)
@@ -266,7 +277,11 @@ class RequestBuilder:
         return params
 
 
-def request_builder(vllm_config, renderer, model, input_processor=None) -> RequestBuilder:
+# Pooling routes (api_gateway/passthrough.py) and what the engine answers them with (pooling_apis.py).
+POOLING_ROUTES = ("embeddings", "embed", "pooling", "score", "rerank", "classify")
+
+
+def request_builder(vllm_config, renderer, model, input_processor=None, supported_tasks=()) -> RequestBuilder:
     """The builder for one served model (servectl's ``ModelConfig``: its chat settings), with
     vLLM's OnlineRenderer and parsers made from them (chat_parsing.py) and, on first use, its
     Responses and Messages serving classes (serving_apis.py)."""
@@ -280,6 +295,13 @@ def request_builder(vllm_config, renderer, model, input_processor=None) -> Reque
 
         return ServingApis(vllm_config, renderer, input_processor, frontend, model.name, model.model)
 
+    def pooling_apis():
+        from engine_core.pooling_apis import PoolingApis
+
+        return PoolingApis(vllm_config, renderer, input_processor, tuple(supported_tasks), model, model.name,
+                           model.model)
+
     return RequestBuilder(vllm_config.model_config, renderer, frontend,
-                          trust_request_chat_template=model.trust_request_chat_template, serving_apis=serving_apis)
+                          trust_request_chat_template=model.trust_request_chat_template, serving_apis=serving_apis,
+                          pooling_apis=pooling_apis)
 

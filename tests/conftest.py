@@ -367,6 +367,27 @@ dtype = "float32"
 """
 
 
+# Issue 33: the default model served again as an embedding model and as a classifier (vLLM's
+# engine arguments), beside itself generating. name -> engine arguments (also `vllm serve` flags).
+# The classifier is servectl/model/classify (the default model with a trained head): `convert =
+# "classify"` on a model without one gives it an uninitialised head. name -> (model, engine arguments).
+CLASSIFY_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "classify"
+POOLING_MODELS = {
+    "default-embed": (DEFAULT_MODEL_DIR, {"runner": "pooling", "convert": "embed", "dtype": "float32"}),
+    "classify": (CLASSIFY_MODEL_DIR, {"runner": "pooling", "dtype": "float32"}),
+}
+POOLING_CONFIG = "[manager]\nwarm_standby = false\n[[models]]\nname = \"default\"\nmodel = \"%s\"\n" % DEFAULT_MODEL_DIR + "".join(
+    f'[[models]]\nname = "{name}"\nmodel = "{model}"\n[models.engine_args]\n'
+    + "".join(f'{k} = "{v}"\n' for k, v in args.items()) for name, (model, args) in POOLING_MODELS.items())
+
+
+@pytest.fixture(scope="session")
+def pooling_daemon(tmp_path_factory):
+    """The pooling tests' daemon (no kills): `default` generating, `default-embed`, `classify`."""
+    with DaemonFactory(tmp_path_factory, "pooling") as make:
+        yield make(POOLING_CONFIG)
+
+
 @pytest.fixture(scope="session")
 def tools_daemon(tmp_path_factory):
     """The tool-calling tests' daemon (no kills, no reconfiguring): both TOOL_MODELS."""

@@ -40,6 +40,24 @@ ENDPOINTS = {
     "AnthropicMessagesRequest": ("messages", {}),
     "AnthropicCountTokensRequest": ("count_tokens", {}),
 }
+# The pooling routes take the union of their request classes' variants (one table each in docs/api.md).
+POOLING_CLASSES = {
+    "embeddings": ["EmbeddingCompletionRequest", "EmbeddingChatRequest", "EmbeddingBatchChatRequest",
+                   "EmbeddingChatInputRequest", "EmbeddingBatchChatInputRequest"],
+    "embed": ["CohereEmbedRequest"], "pooling": ["PoolingCompletionRequest", "PoolingChatRequest", "IOProcessorRequest"],
+    "score": ["ScoreQueriesDocumentsRequest", "ScoreQueriesItemsRequest", "ScoreDataRequest", "ScoreTextRequest"],
+    "rerank": ["RerankRequest"], "classify": ["ClassificationCompletionRequest", "ClassificationChatRequest"],
+}
+
+
+@pytest.mark.parametrize("endpoint", list(POOLING_CLASSES))
+def test_every_field_of_a_pooling_route_is_supported_or_refused_and_documented(endpoint):
+    vllm = {f for cls in POOLING_CLASSES[endpoint] for f in VLLM[cls]}
+    supported, refused = F.supported(endpoint), set(F.REFUSED[endpoint])
+    assert not supported & refused and supported | refused == vllm, sorted(vllm ^ (supported | refused))
+    for cls in POOLING_CLASSES[endpoint]:
+        for field, (status, note) in md_table(cls).items():
+            assert status == ("supported" if field in supported else "refused"), (cls, field, status)
 NESTED = {"StreamOptions": H.StreamOptions, "StructuredOutputsParams": H.StructuredOutputs}
 
 

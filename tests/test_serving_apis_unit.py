@@ -162,3 +162,26 @@ def test_errors_keep_each_apis_shape():
     name, data = error_event("responses", HttpError(503, "gone", "service_unavailable"), 7).split("\n")[:2]
     assert name == "event: error" and json.loads(data[6:])["sequence_number"] == 7
     assert json.loads(error_event("messages", exc, 3).split("\n")[1][6:])["error"]["message"] == exc.message
+
+
+# ---- issue 33: pooling routes in the gateway ------------------------------------------------------
+
+def test_a_request_to_the_wrong_kind_of_model_names_the_endpoints_that_fit():
+    from api_gateway.passthrough import check_kind
+
+    check_kind("m", ["generate"], "/v1/chat/completions")
+    check_kind("e", ["embed", "token_embed"], "/v1/embeddings")
+    check_kind("x", [], "/v1/embeddings")  # not told: the engine's own answer stands
+    with pytest.raises(HttpError) as info:
+        check_kind("m", ["generate"], "/rerank")
+    assert info.value.status == 400 and "/v1/chat/completions" in info.value.message
+    with pytest.raises(HttpError) as info:
+        check_kind("e", ["embed", "token_embed"], "/v1/responses")
+    assert info.value.status == 400 and "/v1/embeddings" in info.value.message
+
+
+def test_the_pooling_routes_outside_v1_take_the_api_keys():
+    from api_gateway.app import KEYED_PATHS
+    from api_gateway.passthrough import POOLING_PATHS
+
+    assert {p for p in POOLING_PATHS if not p.startswith(("/v1/", "/v2/"))} <= KEYED_PATHS

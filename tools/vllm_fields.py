@@ -31,6 +31,15 @@ CLASSES = [
     ("ResponsesRequest", "vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
     ("AnthropicMessagesRequest", "vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
     ("AnthropicCountTokensRequest", "vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest"),
+    *((name, f"vllm.entrypoints.pooling.{package}.protocol", name) for package, name in (
+        ("embed", "EmbeddingCompletionRequest"), ("embed", "EmbeddingChatRequest"),
+        ("embed", "EmbeddingBatchChatRequest"), ("embed", "EmbeddingChatInputRequest"),
+        ("embed", "EmbeddingBatchChatInputRequest"), ("embed", "CohereEmbedRequest"),
+        ("pooling", "PoolingCompletionRequest"), ("pooling", "PoolingChatRequest"),
+        ("pooling", "IOProcessorRequest"), ("scoring", "ScoreQueriesDocumentsRequest"),
+        ("scoring", "ScoreQueriesItemsRequest"), ("scoring", "ScoreDataRequest"), ("scoring", "ScoreTextRequest"),
+        ("scoring", "RerankRequest"), ("classify", "ClassificationCompletionRequest"),
+        ("classify", "ClassificationChatRequest"))),
     ("StreamOptions", "vllm.entrypoints.generate.base.protocol", "StreamOptions"),
     ("StructuredOutputsParams", "vllm.sampling_params", "StructuredOutputsParams"),
 ]

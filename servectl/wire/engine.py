@@ -117,6 +117,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     max_model_len: int
     max_num_seqs: int = 0
     rejected_frames: int = 0
+    # What the model does (vLLM's supported tasks: "generate", or pooling ones such as "embed",
+    # "classify", "token_embed"): which endpoints it answers.
+    tasks: list[str] = []
 
 
 class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
