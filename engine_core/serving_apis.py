@@ -151,9 +151,7 @@ class Driven:
                         continue
                     self.result, self.done = value, True
                     break
-                if yielded is not _WAIT:
-                    raise RuntimeError(f"vLLM's serving code waited for {type(yielded).__name__} "
-                                       "(servectl runs it without an event loop)")
+                _only_the_feed(yielded)
                 break
             if self.pending is None:
                 self.pending = self.stream.__anext__()
@@ -166,9 +164,7 @@ class Driven:
             except StopAsyncIteration:
                 self.pending, self.done = None, True
                 break
-            if yielded is not _WAIT:
-                raise RuntimeError(f"vLLM's serving code waited for {type(yielded).__name__} "
-                                   "(servectl runs it without an event loop)")
+            _only_the_feed(yielded)
             break
         return items
 
@@ -196,6 +192,12 @@ def _run_once(awaitable) -> None:
         pass
     else:
         awaitable.close()
+
+
+def _only_the_feed(yielded) -> None:
+    if yielded is not _WAIT:
+        raise RuntimeError(f"vLLM's serving code waited for {type(yielded).__name__} "
+                           "(servectl runs it without an event loop)")
 
 
 def _json(body) -> str:

@@ -21,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import contextlib
 import time
 import urllib.error
 import urllib.request
@@ -513,3 +514,25 @@ def pytest_sessionfinish(session, exitstatus):
         reporter.write_line(f"first seen after {_heavy_since[0] if _heavy_since else '?'}: "
                             f"{', '.join(heavy_modules()[:5])} ...")
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@contextlib.contextmanager
+def vllm_serving(server, what: str):
+    """A started ``bench.run.VllmServe`` once healthy (up to 15 minutes), stopped on the way out."""
+    server.start()
+    log = server.workdir / "vllm.log"
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            try:
+                if http(server.base, "GET", "/health", key=None, timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            raise AssertionError(f"vllm serve ({what}) did not become healthy:\n{tail}")
+        yield server.base
+    finally:
+        server.stop()

@@ -9,12 +9,10 @@ vector element, score, probability) is compared within 1e-5, everything else
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from bench.run import VllmServe
-from conftest import POOLING_MODELS, http
+from conftest import POOLING_MODELS, http, vllm_serving
 
 CASES = {
     "default-embed": [
@@ -63,23 +61,8 @@ def vllm_pooling(request, tmp_path_factory):
     flags = [x for k, v in args.items() for x in (f"--{k}", v)]
     server = VllmServe(tmp_path_factory.mktemp(f"vllm-{name}"), model=model, served=name,
                        flags=tuple(flags), max_model_len=512)
-    server.start()
-    log = server.workdir / "vllm.log"
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and server.proc.poll() is None:
-            try:
-                if http(server.base, "GET", "/health", key=None, timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
-            raise AssertionError(f"vllm serve ({name}) did not become healthy:\n{tail}")
-        yield name, server.base
-    finally:
-        server.stop()
+    with vllm_serving(server, name) as base:
+        yield name, base
 
 
 def close(a, b, where="$") -> list[str]:

@@ -18,7 +18,7 @@ import re
 import pytest
 
 from bench.run import VllmServe
-from conftest import TOOL_MODELS, http, json_lines
+from conftest import TOOL_MODELS, http, json_lines, vllm_serving
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -88,25 +88,8 @@ def vllm_tools(request, tmp_path_factory):
     model, flags, max_len = TOOL_MODELS[request.param]
     server = VllmServe(tmp_path_factory.mktemp(f"vllm-{request.param}"), model=model, served=request.param,
                        flags=tuple(flags), max_model_len=max_len)
-    server.start()
-    log = server.workdir / "vllm.log"
-    try:
-        import time
-
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and server.proc.poll() is None:
-            try:
-                if http(server.base, "GET", "/health", key=None, timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
-            raise AssertionError(f"vllm serve ({request.param}) did not become healthy:\n{tail}")
-        yield request.param, server.base
-    finally:
-        server.stop()
+    with vllm_serving(server, request.param) as base:
+        yield request.param, base
 
 
 def clean(value):
