@@ -64,30 +64,13 @@ class Generator:
                             content_type="application/json")
 
     async def stream(self, request: web.Request, req, run: RequestRun, acc: ResponseAccumulator) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**request.get("extra_headers", {}),
-                                           "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request["request_id"]})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
         started = time.monotonic()
         gen = run.deltas()
-        try:
-            # The first event decides between a normal stream and a plain error response.
-            first = await gen.__anext__()
-        except HttpError:
-            await gen.aclose()
-            raise
-        except StopAsyncIteration:
-            first = None
-        await resp.prepare(request)
-        run.whole_answer = False  # from now on the client sees the answer as it comes
-        write_timeout = self.cfg.body_timeout_s
-
-        async def write(data: bytes) -> None:
-            # event-proof: a write waits only while the client's socket buffer is full;
-            # a client that reads nothing for this long is cut (and its sequences aborted).
-            async with asyncio.timeout(write_timeout):
-                await resp.write(data)
+        first = await first_delta(gen)  # an error before it is a plain error response
+        resp = await open_sse(request, run)
+        write = bounded_writer(resp, self.cfg.body_timeout_s)
 
         async def send(obj) -> None:
             await write(b"data: " + H.encoder.encode(obj) + b"\n\n")
@@ -114,11 +97,7 @@ class Generator:
             await write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, TimeoutError):
-            # The client went away or read nothing for body_timeout_s: its sequences are
-            # aborted (above); the connection is closed, there is no one to answer.
-            request["log"]["client"] = "gone"
-            if request.transport is not None:
-                request.transport.close()
+            client_gone(request)
         return resp
 
     def observe(self, request: web.Request, model: str, acc: ResponseAccumulator, started: float) -> None:
@@ -138,3 +117,45 @@ class Generator:
             m.ttft.labels(model=model).observe(first_token - started)
             if completion > 1:
                 m.itl.labels(model=model).observe((now - first_token) / (completion - 1))
+
+
+# ---- a stream's pieces (this module's chat and completion streams, passthrough.py's) ---------------
+
+async def first_delta(gen):
+    """The first item of ``RequestRun.deltas`` (None if there is none): it decides between a
+    stream and a plain error response, so an error before it is raised as is."""
+    try:
+        return await gen.__anext__()
+    except HttpError:
+        await gen.aclose()
+        raise
+    except StopAsyncIteration:
+        return None
+
+
+async def open_sse(request: web.Request, run: RequestRun) -> web.StreamResponse:
+    """The event stream's response, its headers sent; from now on the client sees the answer as
+    it comes (a choice can no longer run again from its start)."""
+    resp = web.StreamResponse(headers={**request.get("extra_headers", {}), "Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Request-Id": request["request_id"]})
+    await resp.prepare(request)
+    run.whole_answer = False
+    return resp
+
+
+def bounded_writer(resp: web.StreamResponse, timeout_s: float):
+    async def write(data: bytes) -> None:
+        # event-proof: a write waits only while the client's socket buffer is full; a client that
+        # reads nothing for this long is cut (and its sequences aborted).
+        async with asyncio.timeout(timeout_s):
+            await resp.write(data)
+
+    return write
+
+
+def client_gone(request: web.Request) -> None:
+    """The client went away or read nothing for body_timeout_s: its sequences were aborted; the
+    connection is closed, there is no one to answer."""
+    request["log"]["client"] = "gone"
+    if request.transport is not None:
+        request.transport.close()

@@ -22,7 +22,6 @@ stream began is the API's ``error`` event.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -31,6 +30,7 @@ from aiohttp import web
 
 from api_gateway.bodies import read_body
 from api_gateway.errors import EngineUnavailable, HttpError, unavailable
+from api_gateway.generate import bounded_writer, client_gone, first_delta, open_sse
 from servectl.wire import engine as EP
 
 MESSAGES_PREFIX = "/v1/messages"
@@ -161,26 +161,10 @@ class ApiEndpoints:
         started = time.monotonic()
         counts = Counts()
         gen = run.deltas()
-        try:
-            first = await gen.__anext__()  # an error before the first event is a plain error response
-        except HttpError:
-            await gen.aclose()
-            raise
-        except StopAsyncIteration:
-            first = None
-        resp = web.StreamResponse(headers={**request.get("extra_headers", {}),
-                                           "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request["request_id"]})
-        await resp.prepare(request)
-        run.whole_answer = False
-        write_timeout = g.cfg.body_timeout_s
+        first = await first_delta(gen)  # an error before it is a plain error response
+        resp = await open_sse(request, run)
+        write = bounded_writer(resp, g.cfg.body_timeout_s)
         events = 0
-
-        async def write(text: str) -> None:
-            # event-proof: a write waits only while the client's socket buffer is full; a client
-            # that reads nothing for this long is cut (and its request aborted).
-            async with asyncio.timeout(write_timeout):
-                await resp.write(text.encode())
 
         try:
             try:
@@ -190,7 +174,7 @@ class ApiEndpoints:
                     counts.add(d)
                     if d.api_output:
                         events += d.api_output.count("\n\n")  # one JSON line per event: no blank line inside
-                        await write(d.api_output)
+                        await write(d.api_output.encode())
                     try:
                         item = await gen.__anext__()
                     except StopAsyncIteration:
@@ -198,14 +182,12 @@ class ApiEndpoints:
                 counts.observe(g, request, model, started)
             except HttpError as exc:
                 await gen.aclose()
-                await write(error_event(kind, exc, events))
+                await write(error_event(kind, exc, events).encode())
             finally:
                 await gen.aclose()
             await resp.write_eof()
         except (ConnectionError, TimeoutError):
-            request["log"]["client"] = "gone"
-            if request.transport is not None:
-                request.transport.close()
+            client_gone(request)
         return resp
 
 
