@@ -21,6 +21,7 @@ import zmq
 from aiohttp import web
 
 from api_gateway.errors import HttpError
+from api_gateway.http_policy import is_json_content_type
 from api_gateway.keys import Access, RefusalBudget, bearer_token, fingerprint
 from servectl.wire import control as MP
 
@@ -30,10 +31,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("api_gateway.admin")
 
 PREFIX = "/servectl/v1/"
+# vLLM's runtime LoRA routes (`vllm serve` with VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the admin keys
+# here like the other management routes: not behind the API keys alone.
+LORA_TIMEOUT_S = 150.0  # past the manager's own bound on the engine's answer (worker_reply_timeout_s)
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class FreezeBody(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool
+
+
+class LoadLoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``LoadLoRAAdapterRequest``, and servectl's ``model``: which model takes it (needed
+    only when several models take adapters)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+    model: str | None = None
+
+
+class UnloadLoraBody(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``UnloadLoRAAdapterRequest`` (its ``lora_int_id`` is not used there either), and ``model``."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    model: str | None = None
 
 
 class AdminRoutes:
@@ -46,6 +70,8 @@ class AdminRoutes:
         app.router.add_get(PREFIX + "models", self.models)
         for verb in ("load", "unload", "restart", "freeze"):
             app.router.add_post(PREFIX + "models/{model}/" + verb, getattr(self, verb))
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
 
     # ---- who asks -----------------------------------------------------------------------
     def caller(self, request: web.Request, key_id: str | None) -> MP.HttpCaller:
@@ -78,9 +104,9 @@ class AdminRoutes:
                                               suppressed=suppressed))
 
     # ---- the manager's answers -----------------------------------------------------------
-    async def ask(self, msg) -> MP.StatusReply | MP.Ack:
+    async def ask(self, msg, timeout_s: float | None = None) -> MP.StatusReply | MP.Ack | MP.LoraReply:
         try:
-            return await self.gw.manager.ask(msg, self.timeout_s)
+            return await self.gw.manager.ask(msg, timeout_s or self.timeout_s)
         except (TimeoutError, zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.error("management call %s: no answer from the manager: %s", type(msg).__name__, exc)
             raise HttpError(503, "the manager did not answer; try again", "service_unavailable",
@@ -169,3 +195,57 @@ class AdminRoutes:
         await self.known(name)
         return self.answer(name, "freeze" if enabled else "thaw",
                            await self.ask(MP.SetFreezing(model=name, enabled=enabled, http=who)))
+
+    # ---- LoRA adapters (vLLM's routes) ---------------------------------------------------------
+    async def load_lora(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        body = await self.lora_body(request, LoadLoraBody)
+        if body.is_3d_lora_weight:
+            raise HttpError(400, "is_3d_lora_weight (3D MoE adapter weights) is not supported by servectl",
+                            param="is_3d_lora_weight")
+        lora = self.lora_module(body.lora_name, body.lora_path)
+        return await self.lora_answer(MP.LoadLora(model=body.model, lora=lora, load_inplace=body.load_inplace,
+                                                  http=who))
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        who = self.check(request)
+        body = await self.lora_body(request, UnloadLoraBody)
+        if not body.lora_name:
+            raise HttpError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
+        return await self.lora_answer(MP.UnloadLora(model=body.model, name=body.lora_name, http=who))
+
+    @staticmethod
+    async def lora_body(request: web.Request, kind):
+        if not is_json_content_type(request.headers.get("Content-Type")):
+            raise HttpError(415, "send the body as application/json", code="unsupported_media_type")
+        try:
+            return msgspec.json.decode(await request.read(), type=kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise HttpError(400, f"invalid body: {exc}") from None
+
+    @staticmethod
+    def lora_module(name: str, path: str) -> MP.LoraModule:
+        if not name or not path:
+            raise HttpError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+        try:
+            return msgspec.convert({"name": name, "path": path}, MP.LoraModule)
+        except msgspec.ValidationError:
+            raise HttpError(400, f"lora_name {name[:130]!r}: a name of letters, digits and . _ : / @ + - "
+                                 "(at most 128, starting with a letter or digit)", param="lora_name") from None
+
+    async def lora_answer(self, msg) -> web.Response:
+        """The manager's answer, as `vllm serve` gives it: its success text, or an error body."""
+        # The engine reads the adapter's files between two steps: as long as a slow step, at most.
+        reply = await self.ask(msg, LORA_TIMEOUT_S)
+        if not isinstance(reply, MP.LoraReply):
+            raise HttpError(503, f"the manager gave no answer to the command: {getattr(reply, 'message', '')}",
+                            "service_unavailable")
+        link = self.gw.links.get(reply.model)
+        if link is not None:
+            link.loras = list(reply.loras)  # this gateway knows at once; the others from the model's event
+        if not reply.ok:
+            kind = {404: "NotFoundError", 409: "conflict_error", 503: "service_unavailable"}.get(reply.status,
+                                                                                              "BadRequestError")
+            raise HttpError(reply.status, reply.message, kind,
+                            headers={"Retry-After": "1"} if reply.status == 503 else None)
+        return web.Response(status=200, text=reply.message)

@@ -26,7 +26,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from api_gateway import openai_types as H
-from api_gateway.admin import AdminRoutes
+from api_gateway.admin import LORA_PATHS, AdminRoutes
 from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
                                 refused_by_engine, unavailable)
@@ -136,7 +136,8 @@ class Gateway:
                 response = web.Response(status=204, headers=self.cors.preflight_headers(
                     origin, request.headers.get("Access-Control-Request-Headers")))
             else:
-                if not self.keys.api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS):
+                if not self.keys.api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
+                        and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
                     self.check_auth(request)
                 response = await handler(request)
         except asyncio.CancelledError:
@@ -205,11 +206,16 @@ class Gateway:
                         param="model")
 
     def link_for(self, model: str) -> EngineLink:
-        link = self.links.get(model)
+        """The engine of the model a request names: the model's own, or, for a LoRA adapter, its
+        model's (the request keeps the adapter's name: the engine applies the adapter)."""
+        link = self.links.get(model) or self.adapter_link(model)
         if link is None:
             raise HttpError(404, f"model {model!r} not found; served: {', '.join(sorted(self.links))}",
                             param="model", code="model_not_found")
         return link
+
+    def adapter_link(self, name: str) -> EngineLink | None:
+        return next((link for link in self.links.values() if any(lora.name == name for lora in link.loras)), None)
 
     # ---- handlers --------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -228,17 +234,27 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         cards = [self.card(name) for name in sorted(self.links)]
+        cards += [self.adapter_card(link, lora) for name in sorted(self.links) for link in [self.links[name]]
+                  for lora in link.loras]
         return web.Response(body=H.encoder.encode(H.ModelList(data=cards)), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        self.link_for(name)
-        return web.Response(body=H.encoder.encode(self.card(name)), content_type="application/json")
+        link = self.link_for(name)
+        card = self.card(name) if name in self.links else \
+            self.adapter_card(link, next(lora for lora in link.loras if lora.name == name))
+        return web.Response(body=H.encoder.encode(card), content_type="application/json")
 
     def card(self, name: str) -> H.ModelCard:
         link = self.links[name]
         return H.ModelCard(id=name, created=self.created, max_model_len=link.max_model_len, state=link.status,
                            tasks=link.supported_tasks or None)
+
+    def adapter_card(self, link: EngineLink, lora) -> H.ModelCard:
+        """A LoRA adapter as vLLM lists it (root: its path; parent: its base model), in its model's state."""
+        return H.ModelCard(id=lora.name, created=self.created, root=lora.path,
+                           parent=lora.base_model_name or link.model, max_model_len=link.max_model_len,
+                           state=link.status, tasks=link.supported_tasks or None)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__, "protocol": EP.PROTOCOL_VERSION})

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from api_gateway.errors import EngineRequestError, EngineStalled, EngineUnavailable
 from api_gateway.link_state import HELLO_PENDING, LIVE, MANAGER_STATES, TRANSITIONS, WORDS, LinkState
+from servectl.config import LoraModule
 from servectl.tasks import Tasks
 from servectl.wire import engine as EP
 from servectl.wire.vocab import ModelState
@@ -98,6 +99,9 @@ class EngineLink:
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
         self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
+        # The LoRA adapters the model serves (the manager's word, in its events): requests may
+        # name one of them instead of the model.
+        self.loras: list[LoraModule] = []
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}

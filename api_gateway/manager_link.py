@@ -101,7 +101,7 @@ class ManagerLink:
                     if ev.kind is EventKind.MODEL and ev.model:
                         # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s,
-                                            ev.start_s, ev.config_id)
+                                            ev.start_s, ev.config_id, ev.loras)
                     elif ev.kind is EventKind.DEADLINE and ev.model:
                         if ev.step_deadline_s is not None:
                             self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
@@ -117,7 +117,7 @@ class ManagerLink:
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s,
-                                                m.start_s, m.config_id)
+                                                m.start_s, m.config_id, m.loras)
                             if m.step_deadline_s is not None:
                                 self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
                     elif isinstance(reply, MP.ApiKeys):
@@ -127,8 +127,8 @@ class ManagerLink:
 
     def on_model_event(self, model: str, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None, start_s: float | None = None,
-                       config_id: str = "") -> None:
-        """Models come and go at runtime (`servectl load/unload/reload`)."""
+                       config_id: str = "", loras: list[MP.LoraModule] | None = None) -> None:
+        """Models come and go at runtime (`servectl load/unload/reload`), and so do their LoRA adapters."""
         link = self.links.get(model)
         if state == ModelState.REMOVED:
             if link is not None:
@@ -137,6 +137,8 @@ class ManagerLink:
             return
         if link is None:
             link = self.links[model] = self._new_link(model)
+        if loras is not None:
+            link.loras = list(loras)
         link.on_model_state(state, incarnation, reason, hold_timeout_s, start_s, config_id)
 
     def on_deadline(self, model: str, seconds: float, incarnation: str = "") -> None:
@@ -160,7 +162,7 @@ class ManagerLink:
         msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
         self.tasks.start(self._report(msg), f"report {link.model} hung")
 
-    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack:
+    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack | MP.LoraReply:
         """One request to the manager and its answer, on a connection of its own (as the CLI's),
         so the answer cannot be confused with what the manager sends the gateway's own socket."""
         sock = self.ctx.socket(zmq.DEALER)
@@ -174,7 +176,7 @@ class ManagerLink:
                 reply = MP.control_out_decoder.decode(await sock.recv())
         finally:
             sock.close()
-        if not isinstance(reply, (MP.StatusReply, MP.Ack)):
+        if not isinstance(reply, (MP.StatusReply, MP.Ack, MP.LoraReply)):
             raise ValueError(f"unexpected answer {type(reply).__name__}")
         return reply
 

@@ -339,6 +339,7 @@ class ModelCard(Struct, kw_only=True):
     created: int
     owned_by: str = "servectl"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
     state: str | None = None
     # servectl: what the model does (vLLM's tasks: ["generate"], or pooling ones such as

@@ -109,4 +109,17 @@ def admin_paths(error: dict) -> dict:
     paths["/servectl/v1/models/{model}/freeze"] = verb(
         "turn freezing of the model's idle workers on or off",
         {"type": "object", "required": ["enabled"], "properties": {"enabled": {"type": "boolean"}}})
+    lora = {"summary": "", "security": [{"adminKey": []}],
+            "responses": {"200": {"description": "vLLM's success text", "content": {"text/plain": {}}},
+                          "400": error, "401": error, "403": error, "404": error, "409": error, "503": error}}
+    string, boolean = {"type": "string"}, {"type": "boolean"}
+    for path, summary, required, props in (
+            ("/v1/load_lora_adapter", "load a LoRA adapter into a model with enable_lora (vLLM's "
+             "LoadLoRAAdapterRequest; `model` names the model when several take adapters)",
+             ["lora_name", "lora_path"], {"lora_name": string, "lora_path": string, "load_inplace": boolean,
+                                          "model": string}),
+            ("/v1/unload_lora_adapter", "stop serving a LoRA adapter (vLLM's UnloadLoRAAdapterRequest)",
+             ["lora_name"], {"lora_name": string, "model": string})):
+        paths[path] = {"post": {**lora, "summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"type": "object", "required": required, "properties": props}}}}}}
     return paths

@@ -69,7 +69,29 @@ class ManagerMessages:
         self.control.send(MP.encoder.encode(MP.ChildReady(
             component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
             max_model_len=self.max_model_len, idle_release=self.idle.mode,
-            device_memory_bytes=self.idle.device_memory())))
+            device_memory_bytes=self.idle.device_memory(), loras=self._lora_listing())))
+
+    def _lora_listing(self):
+        """The adapters served (None where the engine takes none: nothing to reconcile)."""
+        adapters = self.__dict__.get("adapters")  # made at start when the model takes adapters
+        return adapters.listing() if adapters is not None and adapters.enabled else None
+
+    def _on_lora_change(self, msg: MP.AddLora | MP.RemoveLora) -> None:
+        """Load or unload an adapter between steps (vLLM's checks; the workers read its files)."""
+        from engine_core.loras import LoraRefused
+
+        ok, status, message = True, 200, ""
+        try:
+            if isinstance(msg, MP.AddLora):
+                message = self.adapters.load(msg.lora, msg.load_inplace)
+            else:
+                message = self.adapters.unload(msg.name)
+        except LoraRefused as exc:
+            ok, status, message = False, exc.status, str(exc)
+            log.warning("LoRA change refused: %s", message)
+        self.control.send(MP.encoder.encode(MP.LoraDone(
+            model=self.spec.model.name, incarnation=self.spec.incarnation, call_id=msg.call_id, ok=ok,
+            status=status, message=message, loras=self.adapters.listing())))
 
     def _on_freezing(self, msg: MP.FreezingControl) -> None:
         if msg.enabled:

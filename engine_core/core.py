@@ -73,7 +73,15 @@ class EngineServer(ManagerMessages):
         from engine_core.requests import request_builder
 
         return request_builder(self.engine.vllm_config, self.engine.renderer, self.spec.model,
-                               getattr(self.engine, "input_processor", None), self.tasks)
+                               getattr(self.engine, "input_processor", None), self.tasks, self.adapters)
+
+    @functools.cached_property
+    def adapters(self):
+        """The model's LoRA adapters: vLLM's OpenAIServingModels over this engine (loras.py)."""
+        from engine_core.loras import Adapters
+        from servectl.config import lora_enabled
+
+        return Adapters(self.engine, self.spec.model.name, self.spec.model.model, lora_enabled(self.spec.model))
 
     @functools.cached_property
     def tokenizer_endpoints(self):
@@ -132,7 +140,8 @@ class EngineServer(ManagerMessages):
                            P.MetricsRequest: self._on_metrics}
         self.on_control = {MP.AbortPeer: self._on_abort_peer, MP.Drain: self._on_drain,
                            MP.FreezingControl: self._on_freezing, MP.Release: self._on_release,
-                           MP.Wake: self._on_wake}
+                           MP.Wake: self._on_wake, MP.AddLora: self._on_lora_change,
+                           MP.RemoveLora: self._on_lora_change}
         self.poller = zmq.Poller()
         self.poller.register(frontend, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)

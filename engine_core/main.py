@@ -151,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     # or one that does not fit the tokenizer, is the configuration's fault: no restart fixes it.
     try:
         server.builder  # noqa: B018
+        if server.adapters.enabled:  # its LoRA adapters: configured, and loaded at run time before
+            server.adapters.load_at_start(spec.loras, {lora.name for lora in spec.model.lora_modules})
     except Exception as exc:
         reason = permanent_reason(exc) or describe(exc)
-        log.exception("the model's chat settings cannot be used; a restart cannot fix this: %s", reason)
+        log.exception("the model's chat settings or LoRA adapters cannot be used; a restart cannot fix this: %s",
+                      reason)
         report_permanent_failure(control, spec, reason)
         return ExitCode.PERMANENT
     server.say_ready()

@@ -103,6 +103,7 @@ class Built:
     # EngineCoreRequest fields LLMEngine.add_request takes no argument for (reasoning_ended,
     # reasoning_parser_kwargs: chat_parsing.ChatFrontend.reasoning_request_fields), or None.
     core_fields: dict[str, Any] | None = None
+    lora_request: Any = None  # the LoRA adapter the request's model names (loras.py), or None
 
     def add_to(self, engine, request_id: str) -> str:
         """``LLMEngine.add_request``; with ``core_fields``, the request is processed here and they are
@@ -110,11 +111,12 @@ class Built:
         fields = {k: v for k, v in (self.core_fields or {}).items() if v is not None}
         if not fields:
             return engine.add_request(request_id, self.engine_input, self.params, priority=self.priority,
-                                      session_id=self.session_id)
+                                      session_id=self.session_id, lora_request=self.lora_request)
         from vllm.renderers.inputs.preprocess import extract_prompt_components
 
         core = engine.input_processor.process_inputs(request_id, self.engine_input, self.params,
                                                      supported_tasks=engine.get_supported_tasks(),
+                                                     lora_request=self.lora_request,
                                                      priority=self.priority, session_id=self.session_id)
         for name, value in fields.items():
             setattr(core, name, value)
@@ -138,7 +140,7 @@ class RequestBuilder:
     """Builds vLLM requests for one engine (its model config, renderer and tokenizer)."""
 
     def __init__(self, model_config, renderer, frontend, trust_request_chat_template: bool = False,
-                 serving_apis=None, pooling_apis=None):
+                 serving_apis=None, pooling_apis=None, adapters=None):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
@@ -158,6 +160,7 @@ class RequestBuilder:
         self.trust_request_chat_template = trust_request_chat_template
         self.serving_apis = serving_apis  # () -> serving_apis.ServingApis, made on first use
         self.pooling_apis = pooling_apis  # () -> pooling_apis.PoolingApis, made on first use
+        self.adapters = adapters  # loras.Adapters: the model's LoRA adapters (None: no vLLM engine)
         self._apis = None
         self.defaults, self.override_max_tokens = default_sampling(model_config)
         if self.defaults:
@@ -181,10 +184,11 @@ class RequestBuilder:
         if kind in POOLING_ROUTES:  # vLLM's pooling serving classes (pooling_apis.py)
             return self.pooling.start(kind, body, request_id, answer_id or request_id)
         try:
-            if kind == "completion":
-                return self._completion(body)
-            if kind == "chat":
-                return self._chat(body)
+            if kind in ("completion", "chat"):
+                lora = self.adapters.request_for(body.get("model")) if self.adapters is not None else None
+                built = self._completion(body) if kind == "completion" else self._chat(body)
+                built.lora_request = lora
+                return built
         except Exception as exc:  # vLLM's validation, rendering and sampling-parameter errors
             raise refusal(exc) from None
         raise BadRequest(f"unknown request kind {kind!r}")
@@ -281,7 +285,8 @@ class RequestBuilder:
 POOLING_ROUTES = ("embeddings", "embed", "pooling", "score", "rerank", "classify")
 
 
-def request_builder(vllm_config, renderer, model, input_processor=None, supported_tasks=()) -> RequestBuilder:
+def request_builder(vllm_config, renderer, model, input_processor=None, supported_tasks=(),
+                    adapters=None) -> RequestBuilder:
     """The builder for one served model (servectl's ``ModelConfig``: its chat settings), with
     vLLM's OnlineRenderer and parsers made from them (chat_parsing.py) and, on first use, its
     Responses and Messages serving classes (serving_apis.py)."""
@@ -293,7 +298,8 @@ def request_builder(vllm_config, renderer, model, input_processor=None, supporte
     def serving_apis():
         from engine_core.serving_apis import ServingApis
 
-        return ServingApis(vllm_config, renderer, input_processor, frontend, model.name, model.model)
+        return ServingApis(vllm_config, renderer, input_processor, frontend, model.name, model.model,
+                           adapters.models if adapters is not None else None)
 
     def pooling_apis():
         from engine_core.pooling_apis import PoolingApis
@@ -303,5 +309,5 @@ def request_builder(vllm_config, renderer, model, input_processor=None, supporte
 
     return RequestBuilder(vllm_config.model_config, renderer, frontend,
                           trust_request_chat_template=model.trust_request_chat_template, serving_apis=serving_apis,
-                          pooling_apis=pooling_apis)
+                          pooling_apis=pooling_apis, adapters=adapters)
 

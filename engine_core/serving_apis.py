@@ -208,14 +208,17 @@ def _json(body) -> str:
 class ServingApis:
     """One model's Responses and Messages serving classes, as `vllm serve` builds them."""
 
-    def __init__(self, vllm_config, renderer, input_processor, frontend, served_name: str, model_path: str):
+    def __init__(self, vllm_config, renderer, input_processor, frontend, served_name: str, model_path: str,
+                 models=None):
         from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
         self.client = ServingEngineClient(vllm_config, renderer, input_processor)
-        models = OpenAIServingModels(self.client, [BaseModelPath(name=served_name, model_path=model_path)])
+        # The engine's OpenAIServingModels (loras.py): a request naming an adapter gets it.
+        if models is None:
+            models = OpenAIServingModels(self.client, [BaseModelPath(name=served_name, model_path=model_path)])
         online = frontend.online
         common = dict(request_logger=None, chat_template=online.chat_template,
                       chat_template_content_format=frontend.chat_template_content_format,
@@ -307,7 +310,8 @@ class ApiRequest:
         spec = OutputSpec(chat=True, constrained=params.structured_outputs is not None)
         spec.api = self
         return Built(engine_input, params, kwargs.get("priority", 0), kwargs.get("session_id"), spec,
-                     core_fields=core if any(v is not None for v in core.values()) else None)
+                     core_fields=core if any(v is not None for v in core.values()) else None,
+                     lora_request=kwargs.get("lora_request"))
 
     def _create(self):
         if self.kind == "responses":

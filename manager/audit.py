@@ -34,7 +34,7 @@ log = logging.getLogger("manager.audit")
 
 # Messages that start code or change state: owner only, and audited.
 CHANGING = (P.StopRequest, P.RestartRequest, P.ReloadRequest, P.LoadModel, P.LoadConfigured, P.UnloadModel,
-            P.SetFreezing)
+            P.SetFreezing, P.LoadLora, P.UnloadLora)
 # What a member of a group-shared runtime directory's group may ask (the read-only socket).
 READ_ONLY = P.READ_ONLY
 REDACTED = "<redacted>"

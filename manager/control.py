@@ -31,6 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from manager import loras
 from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_record, parse_peer_address
 from servectl import config as C
 from servectl.paths import RuntimePaths
@@ -46,7 +47,8 @@ log = logging.getLogger("manager")
 # Messages only the manager's own children send: accepted only from the very process
 # (by the kernel's pid of the connection) that may send each.
 FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused)
-FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged)
+FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged,
+                P.LoraDone)
 FROM_CHILDREN = (*FROM_GATEWAYS, *FROM_ENGINES, P.ChildReady)
 # Nothing a peer sends the manager is near this big (a LoadModel is a few KiB): a larger
 # message closes that peer's connection before the manager holds it.
@@ -107,6 +109,9 @@ class ControlServer:
             P.UnloadModel: self.on_unload,
             P.HttpRefused: self.on_http_refused,
             P.SetFreezing: self.on_set_freezing,
+            P.LoadLora: self.on_lora_change,
+            P.UnloadLora: self.on_lora_change,
+            P.LoraDone: self.on_lora_done,
         }
 
     def bind(self, paths: RuntimePaths) -> None:
@@ -273,6 +278,11 @@ class ControlServer:
         if group is not None:
             group.on_released(msg)
 
+    def on_lora_done(self, caller: Caller, msg: P.LoraDone) -> None:
+        group = self.manager.groups.get(msg.model)
+        if group is not None:
+            group.on_lora_done(msg)
+
     # ---- from gateways --------------------------------------------------------------------
     def on_wake_model(self, caller: Caller, msg: P.WakeModel) -> None:
         group = self.manager.groups.get(msg.model)
@@ -342,6 +352,15 @@ class ControlServer:
             return
         self.manager.tasks.start(self.manager.remove_model(msg.name), f"unload {msg.name}")
         self.reply(caller, P.Ack(ok=True, message=f"unloading {msg.name}"))
+
+    def on_lora_change(self, caller: Caller, msg: P.LoadLora | P.UnloadLora) -> None:
+        """Load or unload a LoRA adapter; answered once the model's engine has done it (or refused)."""
+        m = self.manager
+
+        async def run() -> None:
+            self.reply(caller, await loras.change(m.groups, msg, m.settings.worker_reply_timeout_s))
+
+        m.tasks.start(run(), type(msg).__name__)
 
     def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:
         group = self.manager.groups.get(msg.model)

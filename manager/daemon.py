@@ -189,7 +189,7 @@ class Manager:
         self.publish(P.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
                              pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
                              detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
-                             start_s=group.start_s, config_id=group.config_id))
+                             start_s=group.start_s, config_id=group.config_id, loras=list(group.loras)))
         notify(f"STATUS=model {group.name}: {group.state}")
         self.check_settled()
 
@@ -243,7 +243,7 @@ class Manager:
             memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
             device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s,
             step_deadline_s=g.step_deadline_s, restarts=g.engine.restarts, devices=g.cfg.devices,
-            start_s=g.start_s, config_id=g.config_id)
+            start_s=g.start_s, config_id=g.config_id, lora_enabled=C.lora_enabled(g.cfg), loras=list(g.loras))
 
     # ---- changing what is served ---------------------------------------------------------
     def add_model(self, model: C.ModelConfig) -> None:

@@ -135,6 +135,12 @@ class EngineGroup:
         self.config_id = C.output_identity(cfg)
         self.exited_from: GroupState | None = None  # the state a member's death interrupted
         self.stopping: asyncio.Future | None = None  # the stop under way, if any (done when over)
+        # The LoRA adapters it serves: the configured ones, plus those loaded at run time, less
+        # those unloaded; each start's engine loads these (EngineSpec.loras), so they outlive
+        # crashes, idle releases and reloads that keep the model.
+        self.loras: list[C.LoraModule] = [lora for lora in cfg.lora_modules if isinstance(lora, C.LoraModule)]
+        # LoRA changes sent to this incarnation's engine and not answered yet: call id -> its answer.
+        self.lora_calls: dict[int, asyncio.Future] = {}
 
     def _member(self, component: str, kind: str) -> Child:
         return Child(component, kind, self.cfg.name, self.host.log_dir / log_file_name(component),
@@ -218,7 +224,7 @@ class EngineGroup:
             worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
             step_deadline_floor_s=m.step_deadline_floor_s,
-            max_body_bytes=self.host.gateway_cfg.max_body_bytes), "servectl-engine-spec")
+            max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras)), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",
@@ -258,6 +264,12 @@ class EngineGroup:
                             "platform); an idle model is unloaded instead", self.name, str(self.release_mode))
             self.release_mode = mode
         self.device_memory_bytes = msg.device_memory_bytes
+        if msg.loras is not None:
+            dropped = {lora.name for lora in self.loras} - {lora.name for lora in msg.loras}
+            if dropped:
+                log.warning("model %s: LoRA adapter(s) %s could not be loaded again; no longer served "
+                            "(details: servectl logs %s)", self.name, ", ".join(sorted(dropped)), self.engine.component)
+            self.loras = list(msg.loras)
         if self.start_began is not None:
             took, self.start_began = time.monotonic() - self.start_began, None
             self.start_s = max(self.start_s or 0.0, took)
@@ -323,6 +335,34 @@ class EngineGroup:
         elif self.state in (S.RELEASING, S.STOPPING, S.EXITED):
             self.wake_wanted = True  # acted on once the release (or the exit) is settled
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    async def change_lora(self, msg: P.AddLora | P.RemoveLora, timeout_s: float) -> P.LoraDone | None:
+        """Send the engine a LoRA change and wait for its answer (None: the engine went away or
+        did not answer in time). The answer's adapter list is the group's from then on."""
+        fut = self.lora_calls[msg.call_id] = asyncio.get_running_loop().create_future()
+        self.host.send_to_engine(self, msg)
+        try:
+            # event-proof: a bounded wait for one answer, armed only while this change is in flight.
+            done = await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            done = None
+        finally:
+            self.lora_calls.pop(msg.call_id, None)
+        if done is not None and done.ok:
+            self.loras = list(done.loras)
+            self.host.on_group_change(self)  # gateways learn the adapters from the model's event
+        return done
+
+    def on_lora_done(self, msg: P.LoraDone) -> None:
+        fut = self.lora_calls.get(msg.call_id)
+        if fut is not None and not fut.done() and msg.incarnation == self.incarnation:
+            fut.set_result(msg)
+
+    def _fail_lora_calls(self) -> None:
+        for fut in self.lora_calls.values():
+            if not fut.done():
+                fut.set_result(None)
+
     # ---- exits ------------------------------------------------------------------------
     def on_engine_failed(self, incarnation: str, reason: str) -> None:
         """The engine cannot load the model for a reason a restart cannot fix; it exits next."""
@@ -339,6 +379,7 @@ class EngineGroup:
         return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"
 
     def on_member_exit(self, child: Child) -> None:
+        self._fail_lora_calls()
         if self.state in (S.STOPPING, S.STOPPED, S.RELEASED):
             return  # asked for
         was = self.state

@@ -42,6 +42,8 @@ console = make_console(width=None if sys.stdout.isatty() else 160)
 err = make_console(stderr=True, width=None if sys.stderr.isatty() else 160)
 NOT_RUNNING = ExitCode.NOT_RUNNING
 CONFIG_ERROR = ExitCode.USAGE
+# A LoRA change waits for the engine to read the adapter (the manager bounds that wait itself).
+LORA_TIMEOUT_S = 150.0
 
 
 def say(out: Console, *parts: str | tuple[str, str]) -> None:
@@ -381,6 +383,77 @@ def unload(runtime_dir, name):
 def freeze(runtime_dir, model, state):
     """Turn freezing of a model's idle workers on or off (diagnostics)."""
     ack_or_exit(runtime_dir, P.SetFreezing(model=model, enabled=state == "on"))
+
+
+@main.group()
+def lora():
+    """LoRA adapters of a model whose engine_args have `enable_lora = true`: load, unload, list.
+
+    Adapters loaded here are served until unloaded (engine restarts, idle releases and reloads
+    that keep the model included); the config's lora_modules come back with the next reload
+    that changes the model."""
+
+
+@lora.command("load")
+@runtime_option
+@click.argument("name")
+@click.argument("path")
+@click.option("--model", help="The model that takes it (needed when several models take adapters).")
+@click.option("--inplace", is_flag=True, help="Replace an adapter of that name (vLLM's load_inplace).")
+def lora_load(runtime_dir, name, path, model, inplace):
+    """Load the adapter at PATH and serve it as NAME (a model name of its own in requests)."""
+    try:
+        lora_module = msgspec.convert({"name": name, "path": os.path.abspath(path)}, C.LoraModule)
+    except msgspec.ValidationError as exc:
+        say(err, (f"bad adapter name {name!r}: {exc}", "red"))
+        sys.exit(CONFIG_ERROR)
+    lora_reply_or_exit(runtime_dir, P.LoadLora(lora=lora_module, model=model, load_inplace=inplace))
+
+
+@lora.command("unload")
+@runtime_option
+@click.argument("name")
+@click.option("--model", help="The model that serves it (found by the name otherwise).")
+def lora_unload(runtime_dir, name, model):
+    """Stop serving the adapter NAME (and free it in the workers)."""
+    lora_reply_or_exit(runtime_dir, P.UnloadLora(name=name, model=model))
+
+
+@lora.command("list")
+@runtime_option
+@click.option("--json", "as_json", is_flag=True)
+def lora_list(runtime_dir, as_json):
+    """Every model that takes adapters, and the adapters each serves."""
+    client = client_for(runtime_dir)
+    try:
+        st = client.status()
+    except NotRunning as exc:
+        not_running(exc)
+    rows = [{"model": m.name, "state": str(m.state), "adapter": lora.name, "path": lora.path}
+            for m in st.models if m.lora_enabled for lora in (m.loras or [None]) if lora is not None]
+    if as_json:
+        print(json.dumps({"models": [{"name": m.name, "state": str(m.state),
+                                      "loras": [msgspec.to_builtins(lora) for lora in m.loras]}
+                                     for m in st.models if m.lora_enabled]}, indent=2))
+        return
+    enabled = [m for m in st.models if m.lora_enabled]
+    if not enabled:
+        say(console, "no served model takes LoRA adapters (engine_args.enable_lora)")
+        return
+    for m in enabled:
+        say(console, f"{m.name} ({m.state}): {len(m.loras)} adapter(s)")
+        for row in (r for r in rows if r["model"] == m.name):
+            say(console, f"  {row['adapter']}  {row['path']}")
+
+
+def lora_reply_or_exit(runtime_dir, msg) -> None:
+    client = client_for(runtime_dir, timeout=LORA_TIMEOUT_S)
+    try:
+        reply = client.request(msg)
+    except NotRunning as exc:
+        not_running(exc)
+    say(console if reply.ok else err, reply.message)
+    sys.exit(0 if reply.ok else 1)
 
 
 @main.command()

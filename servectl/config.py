@@ -121,6 +121,20 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sleep_level: SleepLevel = 1  # vLLM's: 1 offloads weights to host memory, 2 discards them
 
 
+# A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules
+# names; never ":" or "/" at the start, no spaces).
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}\Z"
+
+
+class LoraModule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One LoRA adapter of a model (vLLM's ``--lora-modules`` JSON form): served under ``name``,
+    loaded from ``path`` (a directory with adapter_config.json and the adapter's weights)."""
+
+    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)]
+    path: str
+    base_model_name: str | None = None  # the parent shown in /v1/models (default: the model's name)
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
     model: str
@@ -154,6 +168,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     autostart: bool = True
     # Per-model override of [gateway] hold_timeout_s (a cold load of a big model takes minutes).
     hold_timeout_s: PositiveFloat | None = None
+    # LoRA adapters served beside the model (vLLM's --lora-modules; needs engine_args.enable_lora):
+    # a table name = path, or a list of "name=path" strings or {name, path, base_model_name}
+    # tables. finalize() makes it a list of LoraModule.
+    lora_modules: dict[str, str] | list[str | LoraModule] = []
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -193,7 +211,7 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
 FRONTEND_KEYS = frozenset({
     "enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin", "tool_strict_level", "chat_template",
     "chat_template_content_format", "default_chat_template_kwargs", "exclude_tools_when_tool_choice_none",
-    "trust_request_chat_template",
+    "trust_request_chat_template", "lora_modules",
 })
 # What of a model's settings its answers depend on (output_identity), besides model and engine_args.
 _OUTPUT_KEYS = ("env", "override_generation_config", "tensor_parallel_size", *sorted(FRONTEND_KEYS))
@@ -292,10 +310,56 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             raise ConfigError(f"config error{where}: models.{m.name}: enable_auto_tool_choice needs tool_call_parser "
                               "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
+        m.lora_modules = lora_modules(m, where)
+    check_lora_names(cfg.models, where)
     gw = cfg.gateway
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
     gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)
     return cfg
+
+
+def lora_modules(m: ModelConfig, where: str = "") -> list[LoraModule]:
+    """A model's ``lora_modules`` in their one form (a list of ``LoraModule``), each checked: what
+    vLLM's --lora-modules takes (``name=path`` or its JSON form), and enable_lora set."""
+    raw = m.lora_modules
+    items: list[Any] = [LoraModule(name=k, path=v) for k, v in raw.items()] if isinstance(raw, dict) else list(raw)
+    out: list[LoraModule] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep or not path:
+                raise ConfigError(f"config error{where}: models.{m.name}.lora_modules[{i}]: {item!r} is not "
+                                  "`name=path` (or a table with name and path)")
+            item = LoraModule(name=name, path=path)
+        try:
+            item = msgspec.convert(msgspec.to_builtins(item), LoraModule)  # the name's pattern
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"config error{where}: models.{m.name}.lora_modules[{i}]: "
+                              f"{_explain(exc, None).removeprefix('config error: ')}") from None
+        if not item.path:
+            raise ConfigError(f"config error{where}: models.{m.name}.lora_modules.{item.name}: an empty path")
+        out.append(item)
+    if out and not lora_enabled(m):
+        raise ConfigError(f"config error{where}: models.{m.name}.lora_modules needs `enable_lora = true` in the "
+                          "model's engine_args (vLLM: --lora-modules needs --enable-lora)")
+    return out
+
+
+def lora_enabled(m: ModelConfig) -> bool:
+    """The model's engine takes LoRA adapters (vLLM's engine argument ``enable_lora``)."""
+    return m.engine_args.get("enable_lora") is True
+
+
+def check_lora_names(models: list[ModelConfig], where: str = "") -> None:
+    """An adapter's name is a model name in requests: unique across models and adapters."""
+    seen = {m.name: f"model {m.name!r}" for m in models}
+    for m in models:
+        for lora in m.lora_modules:
+            if isinstance(lora, LoraModule):
+                if lora.name in seen:
+                    raise ConfigError(f"config error{where}: models.{m.name}.lora_modules.{lora.name}: the name is "
+                                      f"already {seen[lora.name]}'s (requests name adapters like models)")
+                seen[lora.name] = f"an adapter of model {m.name!r}"
 
 
 def _keys(keys: list[str], key_file: str | None, kind: str, path: Path | None) -> list[str]:

@@ -40,11 +40,13 @@ def known_fields(cls, **values):
 HTTP = CP.HttpCaller(key_id="sha256:0123456789ab", address="127.0.0.1", gateway="gateway:0",
                      route="POST /servectl/v1/models/m.1/restart")
 
+LORA = CP.LoraModule(name="sql", path="/a/sql", base_model_name="m.1")
+
 # Every field differs from its default in some sample, so omit_defaults hides nothing.
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
     CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", max_model_len=512,
-                                  idle_release="sleep", device_memory_bytes=1 << 30),
+                                  idle_release="sleep", device_memory_bytes=1 << 30, loras=[LORA]),
                     CP.ChildReady(component="gateway:0", pid=13)],
     CP.GroupFrozen: [known_fields(CP.GroupFrozen, model="m.1", frozen=True, idle_since=12.5),
                      CP.GroupFrozen(model="m.1", frozen=False)],
@@ -70,6 +72,12 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.HttpRefused: [CP.HttpRefused(http=CP.HttpCaller(key_id=None, address="::1", gateway="gateway:0"), status=401,
                                     reason="no key"),
                      CP.HttpRefused(http=HTTP, status=403, reason="an API key", suppressed=3)],
+    CP.LoadLora: [CP.LoadLora(lora=LORA), CP.LoadLora(lora=LORA, model="m.1", load_inplace=True, http=HTTP)],
+    CP.UnloadLora: [CP.UnloadLora(name="sql"), CP.UnloadLora(name="sql", model="m.1", http=HTTP)],
+    CP.LoraDone: [CP.LoraDone(model="m.1", incarnation="abc", call_id=3, ok=True, message="done", loras=[LORA]),
+                  CP.LoraDone(model="m.1", incarnation="abc", call_id=4, ok=False, status=400, message="bad")],
+    CP.LoraReply: [CP.LoraReply(ok=True, status=200, message="ok", model="m.1", loras=[LORA]),
+                   CP.LoraReply(ok=False, status=404, message="no")],
     CP.HttpCaller: [HTTP, CP.HttpCaller(key_id=None, address="", gateway="gateway:1")],
     # control: manager → clients
     CP.ChildStatus: [CHILD, CP.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
@@ -80,7 +88,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
                                   memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
                                   step_deadline_s=5.0, restarts=2, devices="0,1", start_s=9.5,
-                                  config_id="fedcba9876543210")],
+                                  config_id="fedcba9876543210", lora_enabled=True, loras=[LORA])],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
@@ -95,11 +103,14 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.Drain: [CP.Drain()],
     CP.Release: [CP.Release(), CP.Release(mode="sleep", level=2)],
     CP.Wake: [CP.Wake()],
+    CP.AddLora: [CP.AddLora(call_id=1, lora=LORA), CP.AddLora(call_id=2, lora=LORA, load_inplace=True)],
+    CP.RemoveLora: [CP.RemoveLora(call_id=3, name="sql")],
     # events
     CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
                known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
-                            time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef"),
+                            time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef",
+                            loras=[LORA]),
                known_fields(CP.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
                             pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine
@@ -155,7 +166,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                    known_fields(SP.EngineSpec, model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=True,
                                 freeze_grace_s=1.0, worker_reply_timeout_s=3.0, idle_release_s=2.5,
                                 idle_release="sleep", sleep_level=2, step_deadline_multiple=10.0,
-                                step_deadline_floor_s=2.0, max_body_bytes=1 << 20)],
+                                step_deadline_floor_s=2.0, max_body_bytes=1 << 20, loras=[LORA])],
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
                                     drain_timeout_s=5.0)],

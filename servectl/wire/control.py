@@ -10,7 +10,7 @@ from typing import Union
 
 import msgspec
 
-from servectl.config import ModelConfig
+from servectl.config import LoraModule, ModelConfig
 from servectl.wire.vocab import (AVAILABLE, ChildState, EventKind, EventState, ExitCode, IdleMode,  # noqa: F401
                                  ManagerState, ModelState, ReleaseMode)
 
@@ -36,6 +36,8 @@ class ChildReady(_Msg, tag="child_ready"):
     max_model_len: int | None = None
     idle_release: IdleMode | None = None
     device_memory_bytes: int | None = None
+    # The LoRA adapters the engine loaded at start (EngineSpec.loras less any that failed).
+    loras: list[LoraModule] | None = None
 
 
 class GroupFrozen(_Msg, tag="group_frozen"):
@@ -168,6 +170,25 @@ class UnloadModel(_Msg, tag="unload"):
     http: HttpCaller | None = None
 
 
+class LoadLora(_Msg, tag="load_lora"):
+    """Load a LoRA adapter into a serving model (``/v1/load_lora_adapter``, `servectl lora load`);
+    ``model`` None: the one model with ``enable_lora``. Answered with ``LoraReply`` once its engine
+    has loaded it (or refused it)."""
+
+    lora: LoraModule
+    model: str | None = None
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name (its weights changed)
+    http: HttpCaller | None = None
+
+
+class UnloadLora(_Msg, tag="unload_lora"):
+    """Stop serving a LoRA adapter (``/v1/unload_lora_adapter``, `servectl lora unload`)."""
+
+    name: str
+    model: str | None = None
+    http: HttpCaller | None = None
+
+
 class HttpRefused(_Msg, tag="http_refused"):
     """A gateway refused a management call (no key, or not an admin key): for the audit log only."""
 
@@ -184,8 +205,21 @@ class WakeModel(_Msg, tag="wake"):
     model: str
 
 
+class LoraDone(_Msg, tag="lora_done"):
+    """The engine's answer to ``AddLora`` / ``RemoveLora``: done, or refused with vLLM's reason
+    (``status``: the HTTP status the caller gets), and the adapters it serves now."""
+
+    model: str
+    incarnation: str
+    call_id: int
+    ok: bool
+    status: int = 200
+    message: str = ""
+    loras: list[LoraModule] = []
+
+
 ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
-                  StepDeadlineChanged, KeysApplied,
+                  StepDeadlineChanged, KeysApplied, LoraDone, LoadLora, UnloadLora,
                   StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
                   LoadConfigured, UnloadModel, HttpRefused, WakeModel]
 
@@ -238,6 +272,8 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     start_s: float | None = None  # as in its Event
     config_id: str = ""
     devices: str | None = None  # as configured (CUDA_VISIBLE_DEVICES for its workers)
+    lora_enabled: bool = False  # its engine takes LoRA adapters (engine_args.enable_lora)
+    loras: list[LoraModule] = []  # the adapters it serves (configured and loaded at run time)
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -269,7 +305,19 @@ class ApiKeys(_Msg, tag="api_keys"):
     admin_keys: list[str] = []
 
 
-ControlOut = Union[StatusReply, Ack, ApiKeys]
+class LoraReply(_Msg, tag="lora_reply"):
+    """The answer to ``LoadLora`` / ``UnloadLora``: ``status`` as HTTP says it (200 done; 400 a bad
+    adapter or request, with the reason; 404 no such model or adapter; 409 the model is not
+    serving now), and the model's adapters from now on."""
+
+    ok: bool
+    status: int
+    message: str
+    model: str = ""
+    loras: list[LoraModule] = []
+
+
+ControlOut = Union[StatusReply, Ack, ApiKeys, LoraReply]
 
 
 # ---- manager → whoever started it (JSON on the --report-fd pipe, then it exits) ----
@@ -312,7 +360,22 @@ class Wake(_Msg, tag="wake_engine"):
     """Leave sleep mode; the engine says ChildReady again when it serves."""
 
 
-ToEngine = Union[AbortPeer, FreezingControl, Drain, Release, Wake]
+class AddLora(_Msg, tag="add_lora"):
+    """Load a LoRA adapter (vLLM's ``OpenAIServingModels.load_lora_adapter``); answered with ``LoraDone``."""
+
+    call_id: int
+    lora: LoraModule
+    load_inplace: bool = False
+
+
+class RemoveLora(_Msg, tag="remove_lora"):
+    """Stop serving a LoRA adapter; answered with ``LoraDone``."""
+
+    call_id: int
+    name: str
+
+
+ToEngine = Union[AbortPeer, FreezingControl, Drain, Release, Wake, AddLora, RemoveLora]
 
 
 # ---- events (PUB) ----------------------------------------------------------
@@ -335,6 +398,8 @@ class Event(msgspec.Struct, kw_only=True):
     config_id: str = ""
     # DEADLINE events: the engine's published step deadline.
     step_deadline_s: float | None = None
+    # Model events: the LoRA adapters it serves (requests may name them instead of the model).
+    loras: list[LoraModule] = []
 
 
 control_in_decoder = msgspec.msgpack.Decoder(ControlIn)

@@ -24,7 +24,7 @@ from typing import Literal
 
 import msgspec
 
-from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
+from servectl.config import NAME_PATTERN, Config, GatewayConfig, LoraModule, ModelConfig, Overrides
 from servectl.wire.vocab import EventKind, IdleMode
 
 # A component name's first part is its kind.
@@ -59,6 +59,10 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # The gateways' gateway.max_body_bytes: the engine's frontend takes no message larger
     # than engine_max_message_bytes(this) (ZMQ_MAXMSGSIZE).
     max_body_bytes: int = 4 * 1024 * 1024
+    # The LoRA adapters to load at start: the model's configured ones and those loaded at run
+    # time, less those unloaded (the manager's EngineGroup.loras). A configured one that fails
+    # to load fails the model (as `vllm serve --lora-modules`); one loaded at run time is dropped.
+    loras: list[LoraModule] = []
 
 
 def engine_max_message_bytes(max_body_bytes: int) -> int:

@@ -1,0 +1,107 @@
+"""LoRA adapters loaded and unloaded at run time: which model a change goes to, and the change.
+
+`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `servectl lora load|unload` send the
+manager ``LoadLora`` / ``UnloadLora``; the manager picks the model (``lora_target``, pure),
+sends that model's engine ``AddLora`` / ``RemoveLora`` and answers with the engine's word
+(``LoraReply``). The engine loads the adapter with vLLM's own ``OpenAIServingModels``
+(engine_core/loras.py), so what vLLM refuses is refused with vLLM's reason. The group keeps the
+list (``EngineGroup.loras``): every later start of its engine loads them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+from servectl import config as C
+from servectl.wire import control as P
+from servectl.wire.vocab import ModelState
+
+if TYPE_CHECKING:
+    from manager.group import EngineGroup
+
+log = logging.getLogger("manager")
+
+_call_ids = itertools.count(1)
+
+
+class Candidate(NamedTuple):
+    """What ``lora_target`` needs to know of one served model."""
+
+    name: str
+    lora_enabled: bool
+    state: ModelState
+    loras: tuple[str, ...]
+
+
+class Refusal(NamedTuple):
+    status: int
+    message: str
+
+
+def lora_target(models: list[Candidate], model: str | None, adapter: str, loading: bool) -> str | Refusal:
+    """The model a LoRA change goes to, or why none can take it. Pure.
+
+    ``model`` None: the one LoRA-enabled model (for an unload: the one serving ``adapter``). A
+    loaded adapter's name must not be a model's or another model's adapter's (requests name
+    adapters as they name models)."""
+    by_name = {m.name: m for m in models}
+    enabled = [m.name for m in models if m.lora_enabled]
+    if model is None:
+        if not loading:
+            owners = [m.name for m in models if adapter in m.loras]
+            if owners:
+                return owners[0]
+        if len(enabled) == 1:
+            model = enabled[0]
+        elif not enabled:
+            return Refusal(400, "no served model takes LoRA adapters (set `enable_lora = true` in a model's "
+                                "engine_args)")
+        else:
+            return Refusal(400, f"several models take LoRA adapters ({', '.join(sorted(enabled))}): name one "
+                                "with `model`")
+    target = by_name.get(model)
+    if target is None:
+        return Refusal(404, f"no model {model!r}; served: {', '.join(sorted(by_name)) or 'none'}")
+    if not target.lora_enabled:
+        return Refusal(400, f"model {model!r} does not take LoRA adapters (its engine_args have no "
+                            "`enable_lora = true`)")
+    if loading:
+        if adapter in by_name:
+            return Refusal(400, f"The lora adapter '{adapter}' conflicts with a served base model.")
+        other = next((m.name for m in models if m.name != model and adapter in m.loras), None)
+        if other is not None:
+            return Refusal(400, f"the name {adapter!r} is already an adapter of model {other!r}")
+    elif adapter not in target.loras:
+        return Refusal(404, f"The lora adapter '{adapter}' cannot be found.")
+    if target.state is not ModelState.READY:
+        return Refusal(409, f"model {model!r} is {target.state}: adapters are loaded into and unloaded from a "
+                            "serving model (a request wakes a released one); try again once it is ready")
+    return model
+
+
+def candidates(groups: dict[str, "EngineGroup"]) -> list[Candidate]:
+    return [Candidate(g.name, C.lora_enabled(g.cfg), g.state, tuple(lora.name for lora in g.loras))
+            for g in groups.values()]
+
+
+async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLora,
+                 timeout_s: float) -> P.LoraReply:
+    """Apply one LoRA change: the target model's engine loads or drops the adapter."""
+    loading = isinstance(msg, P.LoadLora)
+    adapter = msg.lora.name if loading else msg.name
+    target = lora_target(candidates(groups), msg.model, adapter, loading)
+    if isinstance(target, Refusal):
+        return P.LoraReply(ok=False, status=target.status, message=target.message, model=msg.model or "")
+    group = groups[target]
+    call = (P.AddLora(call_id=next(_call_ids), lora=msg.lora, load_inplace=msg.load_inplace) if loading
+            else P.RemoveLora(call_id=next(_call_ids), name=adapter))
+    done = await group.change_lora(call, timeout_s)
+    if done is None:
+        return P.LoraReply(ok=False, status=503, model=target, loras=list(group.loras),
+                           message=f"model {target!r}'s engine did not answer (it restarted or is busy); its "
+                                   "adapters are as listed")
+    if done.ok:
+        log.info("model %s: LoRA adapter %s %s", target, adapter, "loaded" if loading else "unloaded")
+    return P.LoraReply(ok=done.ok, status=done.status, message=done.message, model=target, loras=list(group.loras))
