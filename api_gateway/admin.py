@@ -165,6 +165,7 @@ class AdminRoutes:
             "step_deadline_s": m.step_deadline_s,
             "start_s": m.start_s,  # its longest start so far (a held request waits this out)
             "config_id": m.config_id,  # what its outputs depend on, as a digest (a reload may change it)
+            "loras": [msgspec.to_builtins(lora) for lora in m.loras],  # its LoRA adapters (docs/lora.md)
         }
 
     async def load(self, request: web.Request) -> web.Response:

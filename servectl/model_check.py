@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from servectl.config import ENGINE_OFFLINE_ENV, Config, Overrides
+from servectl.config import ENGINE_OFFLINE_ENV, Config, LoraModule, Overrides
 
 # A model's weights may be a single GGUF file instead of a directory.
 MODEL_FILE_SUFFIXES = (".gguf",)
@@ -69,11 +69,26 @@ def check_model_paths(cfg: Config, path: Path | str | None = None, ov: Overrides
     (or the option), before any process starts."""
     problems = []
     for i, m in enumerate(cfg.models):
+        where = f"config error{' in ' + str(path) if path else ''}"
+        for lora in m.lora_modules:
+            if isinstance(lora, LoraModule) and (why := adapter_path_problem(lora.path)) is not None:
+                problems.append(f"{where}: models[{i}].lora_modules.{lora.name} ({m.name}): {why}")
         why = model_path_problem(m.model, {**os.environ, **ENGINE_OFFLINE_ENV, **m.env})
         if why is None:
             continue
         if i == 0 and ov is not None and ov.model:
             problems.append(f"bad option: --model: {why}")
         else:
-            problems.append(f"config error{' in ' + str(path) if path else ''}: models[{i}].model ({m.name}): {why}")
+            problems.append(f"{where}: models[{i}].model ({m.name}): {why}")
     return problems
+
+
+def adapter_path_problem(path: str) -> str | None:
+    """Why a configured LoRA adapter's ``path`` cannot be loaded, or None: a local directory with
+    PEFT's adapter_config.json (what vLLM's loader reads first; its weights are checked at load)."""
+    p = Path(path)
+    if not p.exists():
+        return f"{path} does not exist"
+    if not (p / "adapter_config.json").is_file():
+        return f"{path} holds no adapter_config.json (not a LoRA adapter directory)"
+    return None

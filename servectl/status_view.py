@@ -60,13 +60,15 @@ def models_table(models: list[P.ModelStatus]) -> Table:
     """Per model: state, idle time, time to release, and the memory its engine and workers hold."""
     now = time.time()
     table = Table(show_lines=False)
-    for col in ("model", "state", "idle", "releases in", "idle release", "memory held", "accelerator"):
+    for col in ("model", "state", "idle", "releases in", "idle release", "memory held", "accelerator", "adapters"):
         table.add_column(col)
     for m in models:
         idle, release_in = idle_columns(m, now)
         color = {ModelState.READY: "green", ModelState.RELEASED: "blue", ModelState.ASLEEP: "blue",
                  ModelState.FAILED: "red"}.get(m.state, "yellow")
         mode = f"{m.release_mode} after {m.release_after_s:g}s" if m.release_after_s > 0 else "never"
+        # Its LoRA adapters (`servectl lora list` names them); "-": it takes none.
+        adapters = str(len(m.loras)) if m.lora_enabled else "-"
         table.add_row(m.name, f"[{color}]{m.state}[/{color}]", idle, release_in, mode, fmt_bytes(m.memory_bytes),
-                      fmt_bytes(m.device_memory_bytes))
+                      fmt_bytes(m.device_memory_bytes), adapters)
     return table

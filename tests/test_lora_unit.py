@@ -197,3 +197,20 @@ def test_the_cli_has_lora_load_unload_list():
     assert all(verb in out for verb in ("load", "unload", "list"))
     bad = CliRunner().invoke(main, ["lora", "load", "bad name", "/p", "--runtime-dir", "/nonexistent-dir"])
     assert bad.exit_code == 2 and "bad adapter name" in bad.output
+
+
+def test_a_configured_adapter_path_is_checked_before_anything_starts(tmp_path):
+    from servectl.model_check import check_model_paths
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    cfg = load(tmp_path, f'[[models]]\nname = "base"\nmodel = "{model}"\nlora_modules = {{ good = "{adapter}", '
+                         f'gone = "{tmp_path / "nowhere"}", empty = "{model}" }}\n' + LORA_ARGS)
+    problems = check_model_paths(cfg)
+    assert len(problems) == 2, problems
+    assert "lora_modules.gone" in problems[0] and "does not exist" in problems[0]
+    assert "lora_modules.empty" in problems[1] and "adapter_config.json" in problems[1]
