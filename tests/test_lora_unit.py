@@ -214,3 +214,23 @@ def test_a_configured_adapter_path_is_checked_before_anything_starts(tmp_path):
     assert len(problems) == 2, problems
     assert "lora_modules.gone" in problems[0] and "does not exist" in problems[0]
     assert "lora_modules.empty" in problems[1] and "adapter_config.json" in problems[1]
+
+
+def test_the_bundled_adapter_beats_its_base_model_on_held_out_code():
+    """Its card's figures (issue 34): held-out loss below the base model's, a prompt from a held-out
+    file of its corpus, an adapter vLLM can load (rank and modules)."""
+    import json
+
+    lora = C.DEFAULT_MODEL_DIR.parent / "lora" / "vllm-code"
+    stats = json.loads((lora / "training_stats.json").read_text())
+    bpb = stats["held_out_bpb"]
+    assert bpb["adapter"] < bpb["base"] - 0.1, bpb
+    from training.train_lora_adapter import is_held_out  # (no torch at import)
+
+    assert is_held_out(stats["prompt_check"]["file"]) and is_held_out(stats["probe"]["file"])
+    assert stats["prompt_check"]["first_difference_at_token"] == 0
+    config = json.loads((lora / "adapter_config.json").read_text())
+    assert config["r"] == 8 and not config["base_model_name_or_path"].startswith("/")
+    assert f"{bpb['base']:.3f}" in (lora / "README.md").read_text()
+    assert f"{bpb['adapter']:.3f}" in (lora / "README.md").read_text()
+    assert (lora / "adapter_model.safetensors").stat().st_size > 100_000

@@ -107,7 +107,7 @@ def test_wheel_ships_both_models(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("servectl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for model in ("default", "tools", "classify"):  # classify: issue 33's classifier
+    for model in ("default", "tools", "classify", "lora/vllm-code"):  # classify: issue 33's; the adapter: 34's
         for f in (ROOT / "servectl" / "model" / model).iterdir():
             assert f"servectl/model/{model}/{f.name}" in names, (model, f.name)
     for f in SHIPPED:
