@@ -295,3 +295,18 @@ def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
     assert d.child("engine_core:default").pid == engine
     assert {"vllm-code", "runtime"} <= set(served(d))
     assert text_of(d, "runtime") == text_of(d, "vllm-code")
+
+
+def test_an_idle_release_and_the_wake_keep_the_adapters(daemon_factory):
+    """A model released when idle (its engine and workers stopped) comes back on the next request
+    with its adapters, those loaded at run time included; while released it holds no memory."""
+    idle = daemon_factory(config().replace("[manager]\n", "[manager]\nidle_release_s = 2\nfreeze_grace_s = 0.5\n"))
+    assert load(idle, "runtime", LORA_DIR).status == 200
+    expected = text_of(idle, "vllm-code")
+    wait_for(lambda: idle.status().models[0].state == "released", 120, what="the model released")
+    (model,) = idle.status().models
+    assert model.memory_bytes == 0 and {lora.name for lora in model.loras} == {"vllm-code", "runtime"}
+    assert {"vllm-code", "runtime"} <= set(served(idle))
+    assert text_of(idle, "runtime") == expected  # held, the model woken, answered through the adapter
+    (model,) = idle.status().models
+    assert model.state == "ready" and model.memory_bytes > 0
