@@ -33,7 +33,7 @@ log = logging.getLogger("api_gateway.admin")
 PREFIX = "/servectl/v1/"
 # vLLM's runtime LoRA routes (`vllm serve` with VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the admin keys
 # here like the other management routes: not behind the API keys alone.
-LORA_TIMEOUT_S = 150.0  # past the manager's own bound on the engine's answer (worker_reply_timeout_s)
+LORA_TIMEOUT_S = MP.LORA_CHANGE_TIMEOUT_S + 30  # past the manager's own bound on the engine's answer
 LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
@@ -241,7 +241,7 @@ class AdminRoutes:
         if not isinstance(reply, MP.LoraReply):
             raise HttpError(503, f"the manager gave no answer to the command: {getattr(reply, 'message', '')}",
                             "service_unavailable")
-        link = self.gw.links.get(reply.model)
+        link = self.gw.links.get(reply.model) if reply.model else None
         if link is not None:
             link.loras = list(reply.loras)  # this gateway knows at once; the others from the model's event
         if not reply.ok:

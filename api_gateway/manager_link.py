@@ -170,7 +170,8 @@ class ManagerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANAGER_MESSAGE_BYTES)
         try:
             sock.connect(RuntimePaths.ipc(self.paths.control))
-            # event-proof: the manager answers these at once; bounded so a stuck manager is a 503.
+            # event-proof: the manager answers these at once (a LoRA change within LORA_CHANGE_TIMEOUT_S);
+            # bounded so a stuck manager is a 503.
             async with asyncio.timeout(timeout_s):
                 await sock.send(MP.encoder.encode(msg))
                 reply = MP.control_out_decoder.decode(await sock.recv())

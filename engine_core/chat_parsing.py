@@ -35,13 +35,14 @@ log = logging.getLogger("engine_core")
 
 
 def run_to_end(coro):
-    """The result of a coroutine that never waits (vLLM's async renderer over ``_SyncRenderer``)."""
+    """The result of a coroutine that never waits: vLLM's async code servectl runs synchronously
+    (the renderer over ``_SyncRenderer``, pooling's context, LoRA's ``OpenAIServingModels``)."""
     try:
         coro.send(None)
     except StopIteration as done:
         return done.value
     coro.close()
-    raise RuntimeError("the chat renderer waited for something (servectl renders chats synchronously)")
+    raise RuntimeError("vLLM's async code waited for something (servectl runs it synchronously)")
 
 
 class _SyncRenderer:

@@ -8,13 +8,11 @@ object over the ``LLMEngine`` it holds, and every serving class it runs (chat an
 in requests.py, Responses and Messages, pooling) finds a request's adapter there, as in
 `vllm serve`.
 
-Differences, each on purpose (docs/decisions.md): an adapter that fails to load is a 400 with
-the reason (vLLM answers 500, or 404 for a missing path, with a traceback's worth of message);
-an unload also frees the adapter in the workers (``LLMEngine.remove_lora``: vLLM serve keeps it
-cached there until evicted).
+A difference, on purpose (docs/decisions.md): an adapter that fails to load is a 400 with the
+worker's reason (vLLM answers 500, or 404 for a missing path, with its message sanitised).
 
 vLLM's methods are async but await nothing here (the engine's ``add_lora`` is a call to the
-workers the engine waits for): ``run_now`` runs each to its end in one turn, no event loop.
+workers the engine waits for): ``run_to_end`` runs each to its end in one turn, no event loop.
 """
 
 from __future__ import annotations
@@ -23,19 +21,11 @@ import logging
 import re
 from typing import Any
 
+from engine_core.chat_parsing import run_to_end
+from engine_core.workers import WorkerHung
 from servectl.config import LoraModule
 
 log = logging.getLogger("engine_core")
-
-
-def run_now(coro) -> Any:
-    """Run a coroutine that awaits nothing pending to its end, here and now."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("LoRA adapter call waited on something (servectl runs it without an event loop)")
 
 
 class LoraRefused(Exception):
@@ -105,48 +95,49 @@ class Adapters:
 
         if not self.enabled:
             raise LoraRefused(f"model {self.served_name!r} does not take LoRA adapters (engine_args.enable_lora)")
+        client = self.models.engine_client
+        client.error = None  # this load's failure only, not an earlier one's
         request = LoadLoRAAdapterRequest(lora_name=lora.name, lora_path=lora.path, load_inplace=load_inplace)
         try:
-            result = run_now(self.models.load_lora_adapter(request, base_model_name=lora.base_model_name))
+            result = run_to_end(self.models.load_lora_adapter(request, base_model_name=lora.base_model_name))
         except Exception as exc:  # noqa: BLE001 - vLLM's own checks raised instead of answering
             raise LoraRefused(reason(f"{type(exc).__name__}: {exc}")) from None
+        if isinstance(client.error, WorkerHung):  # the group, not the adapter: the engine exits for a restart
+            raise client.error
         if isinstance(result, ErrorResponse):
             err = result.error
             # vLLM: 404 for a path with no adapter, 500 for anything else the workers refused. Both
             # are the request's fault (its path or its adapter): 400 with the reason.
             status = err.code if 400 <= err.code < 500 and err.code != 404 else 400
-            raw = self.models.engine_client.error
+            raw = client.error
             raise LoraRefused(reason(f"{type(raw).__name__}: {raw}" if raw is not None else err.message), status)
         lora_request = self.models.lora_requests[lora.name]
-        if lora.base_model_name is not None and lora_request.base_model_name is None:
-            lora_request.base_model_name = lora.base_model_name  # shown as its parent, as vLLM shows it
         log.info("LoRA adapter %r loaded from %s (id %d)", lora.name, lora.path, lora_request.lora_int_id)
         return result
 
     def unload(self, name: str) -> str:
+        """``unload_lora_adapter``: no request names it from now on. As in `vllm serve`, the
+        workers keep it cached (evicted past ``max_cpu_loras``): a request still running through
+        it goes on, even if its files are gone meanwhile."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
-        lora_request = self.models.lora_requests.get(name)
-        result = run_now(self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name)))
+        result = run_to_end(self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name)))
         if isinstance(result, ErrorResponse):
             raise LoraRefused(result.error.message, result.error.code)
-        if lora_request is not None:
-            try:
-                self.engine.remove_lora(lora_request.lora_int_id)  # its memory in the workers, too
-            except Exception:  # noqa: BLE001 - no longer served either way; the workers evict it later
-                log.exception("removing LoRA adapter %r from the workers", name)
         log.info("LoRA adapter %r unloaded", name)
         return result
 
-    def load_at_start(self, loras: list[LoraModule], configured: set[str]) -> None:
+    def load_at_start(self, loras: list[LoraModule], configured: list[LoraModule]) -> None:
         """The adapters of ``EngineSpec.loras``: a configured one that fails raises (the model
-        fails, as `vllm serve --lora-modules` does); one loaded at run time is dropped, logged."""
+        fails, as `vllm serve --lora-modules` does); one loaded at run time (a configured name
+        loaded again from another path included) is dropped, logged. A worker that dies or hangs
+        meanwhile is ``WorkerHung``: a restart, not the adapter's fault."""
         for lora in loras:
             try:
                 self.load(lora)
             except LoraRefused as exc:
-                if lora.name in configured:
+                if lora in configured:
                     raise ValueError(f"LoRA adapter {lora.name!r} ({lora.path}): {exc}") from None
                 log.warning("LoRA adapter %r (loaded at run time) cannot be loaded again, dropped: %s", lora.name,
                             exc)

@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.builder  # noqa: B018
         if server.adapters.enabled:  # its LoRA adapters: configured, and loaded at run time before
-            server.adapters.load_at_start(spec.loras, {lora.name for lora in spec.model.lora_modules})
+            server.adapters.load_at_start(spec.loras, list(spec.model.lora_modules))
+    except WorkerHung as exc:
+        log.error("engine start failed: %s", exc)
+        return ExitCode.HUNG
     except Exception as exc:
         reason = permanent_reason(exc) or describe(exc)
         log.exception("the model's chat settings or LoRA adapters cannot be used; a restart cannot fix this: %s",

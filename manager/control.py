@@ -321,6 +321,9 @@ class ControlServer:
         if msg.model.name in self.manager.groups:
             self.reply(caller, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
             return
+        if (why := self.manager.name_taken_by_adapter([msg.model])) is not None:
+            self.reply(caller, P.Ack(ok=False, message=why))
+            return
         m = self.manager
         cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
         m.add_model(cfg.models[0])
@@ -335,6 +338,9 @@ class ControlServer:
         if model is None:
             self.reply(caller, P.Ack(ok=False, message=f"no configured model {msg.name!r}; configured: "
                                                        f"{', '.join(m.configured) or 'none'}"))
+            return
+        if (why := m.name_taken_by_adapter([model])) is not None:
+            self.reply(caller, P.Ack(ok=False, message=why))
             return
         m.add_model(model)
         self.reply(caller, P.Ack(ok=True, message=f"loading {msg.name}"))
@@ -358,7 +364,8 @@ class ControlServer:
         m = self.manager
 
         async def run() -> None:
-            self.reply(caller, await loras.change(m.groups, msg, m.settings.worker_reply_timeout_s))
+            self.reply(caller, await loras.change(m.groups, msg, P.LORA_CHANGE_TIMEOUT_S,
+                                                  frozenset(m.configured), m.lora_changes))
 
         m.tasks.start(run(), type(msg).__name__)
 

@@ -348,14 +348,18 @@ class EngineGroup:
             done = None
         finally:
             self.lora_calls.pop(msg.call_id, None)
-        if done is not None and done.ok:
-            self.loras = list(done.loras)
-            self.host.on_group_change(self)  # gateways learn the adapters from the model's event
         return done
 
     def on_lora_done(self, msg: P.LoraDone) -> None:
+        """The engine's answer: its adapters are the group's from now on (even one that came after
+        its caller gave up waiting), and the gateways learn them from the model's event."""
+        if msg.incarnation != self.incarnation:
+            return
+        if msg.ok:
+            self.loras = list(msg.loras)
+            self.host.on_group_change(self)
         fut = self.lora_calls.get(msg.call_id)
-        if fut is not None and not fut.done() and msg.incarnation == self.incarnation:
+        if fut is not None and not fut.done():
             fut.set_result(msg)
 
     def _fail_lora_calls(self) -> None:

@@ -40,12 +40,16 @@ class Refusal(NamedTuple):
     message: str
 
 
-def lora_target(models: list[Candidate], model: str | None, adapter: str, loading: bool) -> str | Refusal:
+def lora_target(models: list[Candidate], model: str | None, adapter: str, loading: bool,
+                reserved: frozenset[str] = frozenset(), pending: frozenset[str] = frozenset()) -> str | Refusal:
     """The model a LoRA change goes to, or why none can take it. Pure.
 
     ``model`` None: the one LoRA-enabled model (for an unload: the one serving ``adapter``). A
-    loaded adapter's name must not be a model's or another model's adapter's (requests name
-    adapters as they name models)."""
+    loaded adapter's name must not be a model's — served, or configured and not served now
+    (``reserved``) — or another model's adapter's (requests name adapters as they name models);
+    nor one a change is under way for (``pending``)."""
+    if adapter in pending:
+        return Refusal(409, f"a change of adapter {adapter!r} is under way; try again when it is done")
     by_name = {m.name: m for m in models}
     enabled = [m.name for m in models if m.lora_enabled]
     if model is None:
@@ -68,7 +72,7 @@ def lora_target(models: list[Candidate], model: str | None, adapter: str, loadin
         return Refusal(400, f"model {model!r} does not take LoRA adapters (its engine_args have no "
                             "`enable_lora = true`)")
     if loading:
-        if adapter in by_name:
+        if adapter in by_name or adapter in reserved:
             return Refusal(400, f"The lora adapter '{adapter}' conflicts with a served base model.")
         other = next((m.name for m in models if m.name != model and adapter in m.loras), None)
         if other is not None:
@@ -86,18 +90,31 @@ def candidates(groups: dict[str, "EngineGroup"]) -> list[Candidate]:
             for g in groups.values()]
 
 
-async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLora,
-                 timeout_s: float) -> P.LoraReply:
-    """Apply one LoRA change: the target model's engine loads or drops the adapter."""
+def adapter_owner(groups: dict[str, "EngineGroup"], name: str) -> str | None:
+    """The model serving an adapter of that name, or None (a model's name must not be one)."""
+    return next((g.name for g in groups.values() if any(lora.name == name for lora in g.loras)), None)
+
+
+async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLora, timeout_s: float,
+                 reserved: frozenset[str] = frozenset(), pending: set[str] | None = None) -> P.LoraReply:
+    """Apply one LoRA change: the target model's engine loads or drops the adapter. ``pending``:
+    the adapters a change is under way for (the manager's), this one's added while it runs."""
+    pending = set() if pending is None else pending
     loading = isinstance(msg, P.LoadLora)
     adapter = msg.lora.name if loading else msg.name
-    target = lora_target(candidates(groups), msg.model, adapter, loading)
+    target = lora_target(candidates(groups), msg.model, adapter, loading, reserved, frozenset(pending))
     if isinstance(target, Refusal):
-        return P.LoraReply(ok=False, status=target.status, message=target.message, model=msg.model or "")
+        known = groups.get(msg.model or "")  # the reply carries a model's adapters only when it names one
+        return P.LoraReply(ok=False, status=target.status, message=target.message,
+                           model=known.name if known else "", loras=list(known.loras) if known else [])
     group = groups[target]
     call = (P.AddLora(call_id=next(_call_ids), lora=msg.lora, load_inplace=msg.load_inplace) if loading
             else P.RemoveLora(call_id=next(_call_ids), name=adapter))
-    done = await group.change_lora(call, timeout_s)
+    pending.add(adapter)
+    try:
+        done = await group.change_lora(call, timeout_s)
+    finally:
+        pending.discard(adapter)
     if done is None:
         return P.LoraReply(ok=False, status=503, model=target, loras=list(group.loras),
                            message=f"model {target!r}'s engine did not answer (it restarted or is busy); its "

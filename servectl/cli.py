@@ -43,7 +43,7 @@ err = make_console(stderr=True, width=None if sys.stderr.isatty() else 160)
 NOT_RUNNING = ExitCode.NOT_RUNNING
 CONFIG_ERROR = ExitCode.USAGE
 # A LoRA change waits for the engine to read the adapter (the manager bounds that wait itself).
-LORA_TIMEOUT_S = 150.0
+LORA_TIMEOUT_S = P.LORA_CHANGE_TIMEOUT_S + 30
 
 
 def say(out: Console, *parts: str | tuple[str, str]) -> None:
@@ -403,7 +403,9 @@ def lora():
 def lora_load(runtime_dir, name, path, model, inplace):
     """Load the adapter at PATH and serve it as NAME (a model name of its own in requests)."""
     try:
-        lora_module = msgspec.convert({"name": name, "path": os.path.abspath(path)}, C.LoraModule)
+        # A local path as the daemon sees it (its working directory is not the caller's); else a hub id.
+        where = os.path.abspath(path) if os.path.exists(path) else path
+        lora_module = msgspec.convert({"name": name, "path": where}, C.LoraModule)
     except msgspec.ValidationError as exc:
         say(err, (f"bad adapter name {name!r}: {exc}", "red"))
         sys.exit(CONFIG_ERROR)
@@ -415,7 +417,7 @@ def lora_load(runtime_dir, name, path, model, inplace):
 @click.argument("name")
 @click.option("--model", help="The model that serves it (found by the name otherwise).")
 def lora_unload(runtime_dir, name, model):
-    """Stop serving the adapter NAME (and free it in the workers)."""
+    """Stop serving the adapter NAME (requests may no longer name it)."""
     lora_reply_or_exit(runtime_dir, P.UnloadLora(name=name, model=model))
 
 

@@ -339,6 +339,9 @@ def lora_modules(m: ModelConfig, where: str = "") -> list[LoraModule]:
         if not item.path:
             raise ConfigError(f"config error{where}: models.{m.name}.lora_modules.{item.name}: an empty path")
         out.append(item)
+    if out and m.engine_args.get("runner") == "pooling":
+        raise ConfigError(f"config error{where}: models.{m.name}.lora_modules: servectl serves LoRA adapters on "
+                          "generating models only (this one has runner = \"pooling\")")
     if out and not lora_enabled(m):
         raise ConfigError(f"config error{where}: models.{m.name}.lora_modules needs `enable_lora = true` in the "
                           "model's engine_args (vLLM: --lora-modules needs --enable-lora)")
@@ -346,8 +349,9 @@ def lora_modules(m: ModelConfig, where: str = "") -> list[LoraModule]:
 
 
 def lora_enabled(m: ModelConfig) -> bool:
-    """The model's engine takes LoRA adapters (vLLM's engine argument ``enable_lora``)."""
-    return m.engine_args.get("enable_lora") is True
+    """The model's engine takes LoRA adapters (vLLM's engine argument ``enable_lora``; a pooling
+    model's are not served)."""
+    return m.engine_args.get("enable_lora") is True and m.engine_args.get("runner") != "pooling"
 
 
 def check_lora_names(models: list[ModelConfig], where: str = "") -> None:

@@ -85,9 +85,12 @@ def check_model_paths(cfg: Config, path: Path | str | None = None, ov: Overrides
 
 def adapter_path_problem(path: str) -> str | None:
     """Why a configured LoRA adapter's ``path`` cannot be loaded, or None: a local directory with
-    PEFT's adapter_config.json (what vLLM's loader reads first; its weights are checked at load)."""
+    PEFT's adapter_config.json (what vLLM's loader reads first; its weights are checked at load).
+    A hub id is vLLM's to resolve (from the local cache while engines run offline)."""
     p = Path(path)
     if not p.exists():
+        if not path.startswith(("/", ".", "~")) and HUB_ID.match(path):
+            return None
         return f"{path} does not exist"
     if not (p / "adapter_config.json").is_file():
         return f"{path} holds no adapter_config.json (not a LoRA adapter directory)"

@@ -159,6 +159,26 @@ def test_outputs_equal_vllm_serve_with_the_same_adapter(d, vllm_lora, model):
     assert texts[0] == texts[1] == text_of(d, model)
 
 
+def test_responses_and_messages_through_the_adapter_equal_vllm_serve(d, vllm_lora):
+    """vLLM's Responses and Messages serving code, run in servectl's engine, finds the adapter as
+    `vllm serve`'s does: the same text, and not the base model's."""
+    def responses(target, model):
+        r = http(target, "POST", "/v1/responses", {"model": model, "input": PROMPT, "max_output_tokens": 24,
+                                                    "temperature": 0}, key=None)
+        assert r.status == 200, r.text
+        return [c["text"] for item in r.json()["output"] for c in item.get("content") or ()]
+
+    def messages(target, model):
+        r = http(target, "POST", "/v1/messages", {"model": model, "max_tokens": 24, "temperature": 0,
+                                                   "messages": [{"role": "user", "content": PROMPT}]}, key=None)
+        assert r.status == 200, r.text
+        return [b.get("text") for b in r.json()["content"]]
+
+    for ask in (responses, messages):
+        ours, theirs = ask(d, "vllm-code"), ask(vllm_lora, "vllm-code")
+        assert ours == theirs and ours != ask(d, "default"), (ask.__name__, ours, theirs)
+
+
 def test_the_model_list_matches_vllm_serve(d, vllm_lora):
     ours, theirs = served(d)["vllm-code"], served(vllm_lora)["vllm-code"]
     assert {k: ours[k] for k in ("id", "object", "root", "parent")} == \
@@ -234,6 +254,11 @@ def test_a_bad_adapter_is_a_400_with_the_reason(d, tmp_path):
         assert words in message and "Traceback" not in message, (name, message)
         assert name not in served(d)
     assert text_of(d, "vllm-code") != text_of(d, "default")  # the daemon serves on
+    again = load(d, "vllm-code", LORA_DIR)  # vLLM's own check, with its reason (not the last failure's)
+    assert again.status == 400 and "already been loaded" in again.json()["error"]["message"], again.text
+    # a refusal naming the model leaves the gateway's routes to its adapters as they were
+    refused = admin(d, "/v1/unload_lora_adapter", {"lora_name": "no-such", "model": "default"})
+    assert refused.status == 404 and "vllm-code" in served(d)
     (model,) = d.status().models
     assert model.state == "ready" and model.restarts == 0
 
@@ -286,13 +311,24 @@ def test_an_engine_sigkill_keeps_the_adapters_and_the_adapter_s_stream(d):
     assert_nothing_running(d)
 
 
-def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
+def test_a_model_may_not_take_an_adapter_s_name(d):
     if "runtime" not in served(d):
         assert load(d, "runtime", LORA_DIR).status == 200
-    engine = d.child("engine_core:default").pid
+    r = d.cli("load", "runtime", "--model", str(DEFAULT_MODEL_DIR))
+    assert r.returncode == 1 and "LoRA adapter of model 'default'" in r.stderr + r.stdout, r.stdout + r.stderr
+    assert served(d)["runtime"]["parent"] == "default"
+
+
+def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
+    """The reload changes [gateway] (new gateway processes, which learn the adapters from the
+    manager's snapshot) and keeps the model: its engine and its adapters stay."""
+    if "runtime" not in served(d):
+        assert load(d, "runtime", LORA_DIR).status == 200
+    engine, gateway = d.child("engine_core:default").pid, d.child("gateway:0").pid
+    d.config_path.write_text(config().replace("hold_timeout_s = 120", "hold_timeout_s = 121"))
     r = d.cli("reload")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert d.child("engine_core:default").pid == engine
+    assert d.child("engine_core:default").pid == engine and d.child("gateway:0").pid != gateway
     assert {"vllm-code", "runtime"} <= set(served(d))
     assert text_of(d, "runtime") == text_of(d, "vllm-code")
 
@@ -304,6 +340,8 @@ def test_an_idle_release_and_the_wake_keep_the_adapters(daemon_factory):
     assert load(idle, "runtime", LORA_DIR).status == 200
     expected = text_of(idle, "vllm-code")
     wait_for(lambda: idle.status().models[0].state == "released", 120, what="the model released")
+    busy = load(idle, "while-released", LORA_DIR)
+    assert busy.status == 409 and "released" in busy.json()["error"]["message"], busy.text
     (model,) = idle.status().models
     assert model.memory_bytes == 0 and {lora.name for lora in model.loras} == {"vllm-code", "runtime"}
     assert {"vllm-code", "runtime"} <= set(served(idle))

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from engine_core.loras import reason, run_now
+from engine_core.chat_parsing import run_to_end
+from engine_core.loras import reason
 from manager.audit import CHANGING, Peer, audit_record
 from manager.loras import Candidate, Refusal, lora_target
 from servectl import config as C
@@ -146,11 +147,11 @@ def test_reason_keeps_the_exception_lines_without_the_traceback():
     assert "The above" not in reason("A: x\nThe above exception was the direct cause of the following exception:")
 
 
-def test_run_now_runs_a_coroutine_that_awaits_nothing_pending():
+def test_run_to_end_runs_a_coroutine_that_awaits_nothing_pending():
     async def done():
         return 7
 
-    assert run_now(done()) == 7
+    assert run_to_end(done()) == 7
 
     class Pending:
         def __await__(self):
@@ -160,7 +161,7 @@ def test_run_now_runs_a_coroutine_that_awaits_nothing_pending():
         await Pending()
 
     with pytest.raises(RuntimeError):
-        run_now(waits())
+        run_to_end(waits())
 
 
 # ---- wire, audit, CLI ------------------------------------------------------------------------
@@ -234,3 +235,28 @@ def test_the_bundled_adapter_beats_its_base_model_on_held_out_code():
     assert f"{bpb['base']:.3f}" in (lora / "README.md").read_text()
     assert f"{bpb['adapter']:.3f}" in (lora / "README.md").read_text()
     assert (lora / "adapter_model.safetensors").stat().st_size > 100_000
+
+
+def test_configured_names_and_changes_under_way_are_refused():
+    models = [cand("base")]
+    r = lora_target(models, None, "later", loading=True, reserved=frozenset({"later"}))
+    assert isinstance(r, Refusal) and r.status == 400  # a configured model not served now
+    r = lora_target(models, None, "a", loading=True, pending=frozenset({"a"}))
+    assert isinstance(r, Refusal) and r.status == 409
+    r = lora_target(models, None, "a", loading=False, pending=frozenset({"a"}))
+    assert isinstance(r, Refusal) and r.status == 409
+
+
+def test_pooling_models_take_no_adapters(tmp_path):
+    text = load_error(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n[models.engine_args]\nenable_lora = true\n'
+                      'runner = "pooling"\n')
+    assert "generating models only" in text
+    cfg = load(tmp_path, MODEL + '[models.engine_args]\nenable_lora = true\nrunner = "pooling"\n')
+    assert not C.lora_enabled(cfg.models[0])
+
+
+def test_a_hub_id_adapter_is_vllm_s_to_resolve():
+    from servectl.model_check import adapter_path_problem
+
+    assert adapter_path_problem("org/some-adapter") is None
+    assert "does not exist" in adapter_path_problem("/no/such/adapter")

@@ -170,6 +170,11 @@ class UnloadModel(_Msg, tag="unload"):
     http: HttpCaller | None = None
 
 
+# How long the manager waits for an engine to load or unload an adapter (it reads the files
+# between two steps); callers (the CLI, a gateway) wait a little longer for the manager's answer.
+LORA_CHANGE_TIMEOUT_S = 120.0
+
+
 class LoadLora(_Msg, tag="load_lora"):
     """Load a LoRA adapter into a serving model (``/v1/load_lora_adapter``, `servectl lora load`);
     ``model`` None: the one model with ``enable_lora``. Answered with ``LoraReply`` once its engine
