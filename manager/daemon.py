@@ -28,13 +28,15 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from manager.budget import Budget
 from manager.children import Child
 from manager.control import ControlServer
 from manager.gateways import GatewayPool
-from manager.group import IDLE_RELEASED, EngineGroup, GroupState
+from manager.group import IDLE_RELEASED, EngineGroup, GroupState, has_accelerator
 from manager.reload import plan_reload
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
+from manager.start_gate import StartGate
 from servectl import config as C
 from servectl.messages import bind_failure
 from servectl.model_check import check_model_paths
@@ -82,11 +84,14 @@ class Manager:
         self.ctx = zmq.asyncio.Context()
         self.control = ControlServer(self, self.ctx)
         self.standbys = StandbyPool(self)
+        self.start_gate = StartGate(has_accelerator())  # one start at a time per device
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
+        self.budget = Budget(cfg.manager.max_loaded_models, self.groups)  # max_loaded_models
         # The configuration's models (file and start options, as last loaded or reloaded): what
         # `LoadConfigured` may start again once unloaded.
         self.configured = {m.name: m for m in cfg.models}
         self.gateways = GatewayPool(self)
+        self.lora_changes: set[str] = set()  # adapters a load or unload is under way for (manager/loras.py)
         self.done = asyncio.Event()
         # Gateways' prometheus multiprocess files: fresh for each manager (a dead
         # one's were removed under the lock: servectl.paths.remove_stale).
@@ -191,6 +196,7 @@ class Manager:
                              detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
                              start_s=group.start_s, config_id=group.config_id, loras=list(group.loras)))
         notify(f"STATUS=model {group.name}: {group.state}")
+        self.budget.changed(group)
         self.check_settled()
 
     def on_step_deadline(self, group: EngineGroup) -> None:
@@ -246,17 +252,35 @@ class Manager:
             start_s=g.start_s, config_id=g.config_id, lora_enabled=C.lora_enabled(g.cfg), loras=list(g.loras))
 
     # ---- changing what is served ---------------------------------------------------------
+    def name_taken_by_adapter(self, models: list[C.ModelConfig]) -> str | None:
+        """Why one of these models (or its configured adapters) cannot be served beside the LoRA
+        adapters served now, or None: requests name adapters as they name models."""
+        from manager.loras import adapter_owner
+
+        for model in models:
+            names = [model.name, *(lora.name for lora in model.lora_modules if isinstance(lora, C.LoraModule))]
+            for name in names:
+                owner = adapter_owner({k: g for k, g in self.groups.items() if k != model.name}, name)
+                if owner is not None:
+                    return (f"{name!r} is the name of a LoRA adapter of model {owner!r}; unload it first "
+                            f"(servectl lora unload {name})")
+        return None
+
     def add_model(self, model: C.ModelConfig) -> None:
         group = self.groups[model.name] = EngineGroup(model, self)
         self.start_group(group)
 
-    @staticmethod
-    def start_group(group: EngineGroup) -> None:
-        """Start a configured model, or, with autostart = false, leave it released until its first request."""
-        if group.cfg.autostart:
-            group.start()
-        else:
+    def start_group(self, group: EngineGroup) -> None:
+        """Start a configured model, or leave it released until its first request: autostart =
+        false, or max_loaded_models already reached (models start in config order)."""
+        if not group.cfg.autostart:
             group.park()
+        elif not self.budget.fits_at_start(group):
+            log.info("model %s: max_loaded_models = %d reached; released until its first request", group.name,
+                     self.budget.cap)
+            group.park(f"max_loaded_models = {self.budget.cap} reached at start")
+        else:
+            group.start()
 
     async def remove_model(self, name: str) -> None:
         group = self.groups[name]
@@ -309,8 +333,14 @@ class Manager:
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, "\n".join(bad)
         plan = plan_reload([g.cfg for g in self.groups.values()], self.gateway_cfg, new)
+        clash = self.name_taken_by_adapter([*plan.added, *plan.changed])
+        if clash is not None:
+            log.error("reload refused: %s", clash)
+            notify("READY=1\nSTATUS=reload refused: a name is a LoRA adapter's")
+            return False, clash
         log.info("reload: %s", plan.summary())
         self.settings = plan.manager
+        self.budget.cap = plan.manager.max_loaded_models
         self.configured = {m.name: m for m in new.models}
         for name in plan.removed:
             await self.remove_model(name)

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from manager.budget import Budget
 from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
+from manager.start_gate import StartGate
 from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
 from servectl.tasks import Tasks
@@ -92,6 +94,8 @@ class GroupHost(Protocol):
     log_dir: Path
     standbys: StandbyPool
     tasks: Tasks  # what the group starts in the background (an unload's stop)
+    start_gate: StartGate  # one start at a time per device
+    budget: Budget  # at most max_loaded_models loaded
 
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
     def watch(self, child: Child) -> None: ...
@@ -135,6 +139,9 @@ class EngineGroup:
         self.config_id = C.output_identity(cfg)
         self.exited_from: GroupState | None = None  # the state a member's death interrupted
         self.stopping: asyncio.Future | None = None  # the stop under way, if any (done when over)
+        # Its engine refused a release (a request in flight) since it was last idle: not asked
+        # again to make room until its workers freeze (manager/budget.py).
+        self.release_refused = False
         # The LoRA adapters it serves: the configured ones, plus those loaded at run time, less
         # those unloaded; each start's engine loads these (EngineSpec.loras), so they outlive
         # crashes, idle releases and reloads that keep the model.
@@ -158,7 +165,7 @@ class EngineGroup:
     def _enter(self, new: GroupState, reason: str | None = None) -> None:
         if new not in TRANSITIONS[self.state]:
             raise BadTransition(f"model {self.name}: {self.state} → {new}")
-        self.state = new
+        was, self.state = self.state, new
         if reason is not None or new in (S.READY, S.STARTING):
             self.reason = reason
         if new is not S.READY:
@@ -175,6 +182,8 @@ class EngineGroup:
                 if child.alive or new in (S.FAILED, S.STOPPED, S.BACKOFF, S.RELEASED):
                     child.set(member_state, reason or "")
         self.host.on_group_change(self)
+        if was is S.STARTING:  # its start is over (ready, exited, stopping): the next on its devices may go
+            self.host.start_gate.done(self)
 
     def _swap(self, expected: set[GroupState] | frozenset[GroupState], new: GroupState,
               reason: str | None = None) -> bool:
@@ -199,9 +208,18 @@ class EngineGroup:
         return engine_env, worker_envs
 
     def start(self) -> None:
-        """Workers first (the engine gets their pidfds), each with the group key on a pipe."""
-        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED}, S.STARTING):
+        """Workers first (the engine gets their pidfds), each with the group key on a pipe; once
+        no other model is starting on its devices (manager/start_gate.py)."""
+        if self.state not in (S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED):
             return
+        waits = self.host.budget.admit(self) or self.host.start_gate.admit(self)
+        if waits is not None:
+            if self.reason != waits:
+                log.info("model %s: %s", self.name, waits)
+                self.reason = waits  # said in its state's event: the decision and why
+                self.host.on_group_change(self)
+            return
+        self._enter(S.STARTING)
         self.restart_timer = None
         self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
@@ -249,9 +267,10 @@ class EngineGroup:
         finally:
             os.close(fd)
 
-    def park(self) -> None:
-        """autostart = false: configured and listed, started by its first request (WakeModel)."""
-        self._swap({S.STOPPED}, S.RELEASED, "autostart = false: starts on its first request")
+    def park(self, why: str = "autostart = false") -> None:
+        """Configured and listed, started by its first request (WakeModel): autostart = false, or
+        no room at start (max_loaded_models)."""
+        self._swap({S.STOPPED}, S.RELEASED, f"{why}: starts on its first request")
 
     def on_ready(self, msg: P.ChildReady) -> None:
         """The engine serves: built (a start) or awake again (a wake from sleep)."""
@@ -282,6 +301,8 @@ class EngineGroup:
             return
         self.frozen = frozen
         self.idle_since = idle_since if frozen else None
+        if frozen:
+            self.release_refused = False  # idle now: it may be asked to make room again
         for worker in self.workers:
             if worker.alive:
                 worker.set(ChildState.FROZEN if frozen else ChildState.READY)
@@ -303,6 +324,7 @@ class EngineGroup:
             return
         if not msg.released:
             log.info("model %s: a request came in; not released", self.name)
+            self.release_refused = True
             self._enter(S.READY)
             return
         self.device_memory_bytes = msg.device_memory_bytes
@@ -322,6 +344,15 @@ class EngineGroup:
                 self.wake()
 
         self.host.tasks.start(unload(), f"release {self.name}")
+
+    def evict(self, reason: str) -> bool:
+        """Release the model to make room for another (manager/budget.py), as its idle release
+        would: its engine refuses if a request is in flight. False: it is not serving now."""
+        if not self._swap({S.READY}, S.RELEASING, reason):
+            return False
+        log.info("model %s: %s; releasing it (%s)", self.name, reason, self.release_mode)
+        self.host.send_to_engine(self, P.Release(mode=self.release_mode, level=self.idle_policy.sleep_level))
+        return True
 
     def wake(self) -> None:
         """A gateway holds a request for this model: bring it back (idempotent)."""
@@ -455,6 +486,8 @@ class EngineGroup:
         if self.state is then or (self.state is S.STOPPED and then is S.RELEASED):
             return
         done = self.stopping = asyncio.get_running_loop().create_future()
+        self.host.start_gate.forget(self)  # a start it waited for must not happen now
+        self.host.budget.forget(self)
         try:
             if self.restart_timer:
                 self.restart_timer.cancel()
@@ -475,6 +508,8 @@ class EngineGroup:
 
     def remove(self) -> None:
         """The last word on a stopped group: its model is no longer served."""
+        self.host.start_gate.forget(self)
+        self.host.budget.forget(self)
         self._enter(S.REMOVED)
 
     async def restart(self, drain_timeout_s: float, grace_s: float) -> None:

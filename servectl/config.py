@@ -119,6 +119,10 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idle_release_s: NonNegativeFloat = 0.0
     idle_release: IdleRelease = IdleMode.UNLOAD
     sleep_level: SleepLevel = 1  # vLLM's: 1 offloads weights to host memory, 2 discards them
+    # At most this many models loaded at once (None: no cap): a model that must start releases
+    # the least recently used one first (manager/budget.py); at start, models beyond it stay
+    # released until their first request.
+    max_loaded_models: PositiveInt | None = None
 
 
 # A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules
@@ -166,6 +170,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sleep_level: SleepLevel | None = None
     # false: configured and listed, but started by its first request.
     autostart: bool = True
+    # true: never released to make room for another model (max_loaded_models).
+    pinned: bool = False
     # Per-model override of [gateway] hold_timeout_s (a cold load of a big model takes minutes).
     hold_timeout_s: PositiveFloat | None = None
     # LoRA adapters served beside the model (vLLM's --lora-modules; needs engine_args.enable_lora):

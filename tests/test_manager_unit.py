@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from manager.budget import Budget
 from manager.children import Child, ChildState
 from manager.group import TRANSITIONS, BadTransition, EngineGroup, GroupState
 from manager.reload import plan_reload
+from manager.start_gate import StartGate
 from servectl import config as C
 from servectl.wire import control as P
 from servectl.tasks import Tasks
@@ -48,6 +50,8 @@ class HostDouble:
         self.runtime_dir = tmp
         self.log_dir = tmp
         self.standbys = StandbysDouble()
+        self.start_gate = StartGate(accelerator=False)
+        self.budget = Budget(None, {})
         self.tasks = Tasks(logging.getLogger("test"))
         self.published: list[str] = []
         self.child_events: list[tuple[str, str]] = []

@@ -1,0 +1,89 @@
+"""One start at a time per device: models that share a device start (and profile) one after another.
+
+vLLM measures a device's free memory while an engine starts (its profiling run) and sizes the
+KV cache from it, assuming nothing else allocates on the device meanwhile: two engines starting
+together on one GPU each see the other's allocations come and go, and one fails or takes too
+little (vllm#9198). So a start waits while another model that shares one of its devices is
+starting; models on disjoint devices start together. A device is named by a label: a GPU's
+index (the model's ``devices``, else the first ``tensor_parallel_size`` GPUs), or ``cpu`` for
+host memory on a machine without an accelerator.
+
+``StartGate`` owns the queue; a group asks it before it starts (``EngineGroup.start``) and
+tells it when its start is over (it leaves ``starting``), which starts the next one whose
+devices are free, in the order they asked. Wakes from sleep do not profile and do not wait.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable
+
+from servectl import config as C
+
+if TYPE_CHECKING:
+    from manager.group import EngineGroup
+
+log = logging.getLogger("manager")
+
+CPU = "cpu"
+
+
+def device_labels(model: C.ModelConfig, accelerator: bool) -> tuple[str, ...]:
+    """The devices a model's engine group uses, as labels. Pure."""
+    if model.devices is not None and model.devices.strip():
+        return tuple(d.strip() for d in model.devices.split(",") if d.strip())
+    if not accelerator:
+        return (CPU,)
+    return tuple(str(i) for i in range(model.tensor_parallel_size))
+
+
+def blocker(labels: Iterable[str], starting: dict[str, tuple[str, ...]]) -> tuple[str, str] | None:
+    """(model, label) of a start under way on one of ``labels``, or None: free to start. Pure."""
+    mine = set(labels)
+    for name, theirs in starting.items():
+        shared = sorted(mine & set(theirs))
+        if shared:
+            return name, shared[0]
+    return None
+
+
+class StartGate:
+    def __init__(self, accelerator: bool):
+        self.accelerator = accelerator
+        self.starting: dict[str, tuple[str, ...]] = {}  # model -> its labels, while its start is under way
+        self.waiting: list["EngineGroup"] = []  # in the order they asked
+
+    def labels(self, group: "EngineGroup") -> tuple[str, ...]:
+        return device_labels(group.cfg, self.accelerator)
+
+    def admit(self, group: "EngineGroup") -> str | None:
+        """None: ``group`` may start now (its start is counted until ``done``); else why it waits
+        (it is queued, and started by ``done`` once its devices are free)."""
+        labels = self.labels(group)
+        held = blocker(labels, {n: ls for n, ls in self.starting.items() if n != group.name})
+        if held is None:
+            self.forget(group)
+            self.starting[group.name] = labels
+            return None
+        if group not in self.waiting:
+            self.waiting.append(group)
+        model, label = held
+        return f"waiting to start: model {model} is starting on device {label} (one start at a time per device)"
+
+    def done(self, group: "EngineGroup") -> None:
+        """``group``'s start is over (ready, failed, stopped): start what waited for its devices."""
+        if self.starting.pop(group.name, None) is None:
+            return
+        for waiting in list(self.waiting):
+            if blocker(self.labels(waiting), self.starting) is None:
+                self.waiting.remove(waiting)
+                log.info("model %s: its devices are free; starting it", waiting.name)
+                waiting.start()
+
+    def forget(self, group: "EngineGroup") -> None:
+        """Stopped or removed while waiting: no longer started by ``done``."""
+        if group in self.waiting:
+            self.waiting.remove(group)
+
+    def is_waiting(self, group: "EngineGroup") -> bool:
+        return group in self.waiting
