@@ -57,13 +57,17 @@ class BuildChoice:
 
 
 def build_choice(configured: IdleMode, sleep_available: bool, after_s: float, model: str) -> BuildChoice:
-    """How to build the engine for the configured idle release (sleep mode must be enabled at build)."""
-    if configured != SLEEP or after_s <= 0:
-        return BuildChoice(UNLOAD if configured != SLEEP else SLEEP, {})
+    """How to build the engine for the configured idle release (sleep mode must be enabled at build).
+    A model released to make room for another (max_loaded_models) is released the same way, so
+    sleep mode is enabled wherever "sleep" is configured, with or without an idle time."""
+    if configured != SLEEP:
+        return BuildChoice(UNLOAD, {})
     if not sleep_available:
-        return BuildChoice(UNLOAD, {}, f"model {model}: idle_release = \"sleep\" but vLLM has no sleep mode on this "
-                                       "platform (is_sleep_mode_available() is false); an idle model is unloaded "
-                                       "instead (its engine and workers stop; the warm standbys stay)")
+        warning = None if after_s <= 0 else (
+            f"model {model}: idle_release = \"sleep\" but vLLM has no sleep mode on this platform "
+            "(is_sleep_mode_available() is false); an idle model is unloaded instead (its engine and workers "
+            "stop; the warm standbys stay)")
+        return BuildChoice(UNLOAD, {}, warning)
     return BuildChoice(SLEEP, {"enable_sleep_mode": True})
 
 

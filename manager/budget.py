@@ -2,8 +2,8 @@
 
 A model is loaded while its engine group holds memory: starting, serving, draining, being
 released or stopped, crashed and about to restart (a model asleep on a GPU holds no
-accelerator memory and is not counted). When a model must start (its first request, a
-request for a released model, `servectl load`) and the count is at the cap, the manager
+accelerator memory and is not counted). When a model must start or wake (a request for a
+released or sleeping model) and the count is at the cap, the manager
 releases another one first — as that model's ``idle_release`` says (unload, or sleep where the
 platform has it) — the least recently used first: the engine that has been idle longest
 (it froze its workers then), never one that is ``pinned``, never one with a request in flight
@@ -33,6 +33,10 @@ S = ModelState
 LOADED = frozenset({S.STARTING, S.READY, S.DRAINING, S.RELEASING, S.STOPPING, S.EXITED, S.BACKOFF})
 
 
+# On their way out: their memory is being given back (an eviction, an idle release, an unload).
+LEAVING = frozenset({S.RELEASING, S.STOPPING})
+
+
 class Resident(NamedTuple):
     """What the rule needs to know of one loaded model."""
 
@@ -41,18 +45,20 @@ class Resident(NamedTuple):
     pinned: bool
     idle_since: float | None  # wall clock; known while its workers are frozen (idle)
     refused: bool  # its engine refused a release since it was last idle (a request in flight)
+    freezes: bool = True  # its workers freeze when idle (freezing on): idle_since will be known
 
 
 def choose_victim(residents: list[Resident]) -> str | None:
     """The model to release to make room, or None (none can be now). Pure.
 
-    Only a serving model that is not pinned and did not just refuse: idle ones (frozen) first,
-    the longest idle first; then ones not known idle (their engine refuses if a request is in
-    flight, and the next is asked)."""
+    Only a serving model that is not pinned and did not just refuse: idle ones (frozen), the
+    longest idle first. A model whose workers never freeze (freezing off) never says it is idle:
+    such a one is asked (its engine refuses with a request in flight, and the next is asked)
+    when no idle one can go. One that freezes and has not is busy or has just started: never."""
     ready = [r for r in residents if r.state is S.READY and not r.pinned and not r.refused]
     idle = sorted((r for r in ready if r.idle_since is not None), key=lambda r: r.idle_since)
-    busy = [r for r in ready if r.idle_since is None]
-    order = idle or busy
+    unknown = [r for r in ready if r.idle_since is None and not r.freezes]
+    order = idle or unknown
     return order[0].name if order else None
 
 
@@ -69,15 +75,19 @@ class Budget:
 
     def counted(self, group: "EngineGroup") -> int:
         """Models loaded, or admitted and waiting for their devices, other than ``group``."""
-        return len(self.loaded(group)) + sum(1 for g in self.groups.values()
-                                             if g is not group and g.host.start_gate.is_waiting(g))
+        return len({g for g in self.groups.values() if g is not group and
+                    (g.state in LOADED or g.host.start_gate.is_waiting(g))})
 
     def fits_at_start(self, group: "EngineGroup") -> bool:
         return self.cap is None or self.counted(group) < self.cap
 
     def admit(self, group: "EngineGroup") -> str | None:
-        """None: ``group`` may start now; else why it waits (it is started once there is room)."""
-        if self.cap is None or self.counted(group) < self.cap:
+        """None: ``group`` may start now; else why it waits (it is started once there is room).
+        First come, first served: a model is admitted only once those that asked before it are."""
+        if self.cap is None:
+            return None
+        position = self.waiting.index(group) if group in self.waiting else len(self.waiting)
+        if position < self.cap - self.counted(group):
             if group in self.waiting:
                 self.waiting.remove(group)
             return None
@@ -89,11 +99,16 @@ class Budget:
                    "; none can be released now (pinned, or a request in flight)"))
 
     def make_room(self) -> None:
-        """Release the least recently used model (one at a time) for the models that wait."""
-        if not self.waiting or self.releasing is not None:
+        """Release the least recently used model (one at a time) for the models that wait, unless
+        room is on its way (a model already releasing or stopping)."""
+        if not self.waiting or self.releasing is not None or self.cap is None:
             return
-        residents = [Resident(g.name, g.state, g.cfg.pinned, g.idle_since, g.release_refused)
-                     for g in self.loaded() if g not in self.waiting]
+        loaded = self.loaded()
+        leaving = sum(1 for g in loaded if g.state in LEAVING)
+        if leaving and self.counted(self.waiting[0]) - leaving < self.cap:
+            return
+        residents = [Resident(g.name, g.state, g.cfg.pinned, g.idle_since, g.release_refused, g.freezing)
+                     for g in loaded if g not in self.waiting]
         victim = choose_victim(residents)
         if victim is None:
             return
@@ -110,8 +125,8 @@ class Budget:
     def changed(self, group: "EngineGroup") -> None:
         """A model's state changed: an eviction under way may be over, room may have come; the
         models that wait are tried again (soon, not inside this change)."""
-        if self.releasing == group.name and group.state is not S.RELEASING:
-            self.releasing = None
+        if self.releasing == group.name and (group.state not in LOADED or group.state is S.READY):
+            self.releasing = None  # released (or asleep, or gone), or it refused
         if self.waiting and not self.retry_scheduled:
             self.retry_scheduled = True
             asyncio.get_running_loop().call_soon(self.retry)
@@ -122,5 +137,6 @@ class Budget:
             if group.name not in self.groups or self.groups[group.name] is not group:
                 self.waiting.remove(group)
                 continue
-            group.start()  # admitted now, or still waiting (and room is being made)
+            # admitted now, or still waiting (and room is being made)
+            group.wake() if group.state is S.ASLEEP else group.start()
         self.make_room()

@@ -87,6 +87,7 @@ class Manager:
         self.start_gate = StartGate(has_accelerator())  # one start at a time per device
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
         self.budget = Budget(cfg.manager.max_loaded_models, self.groups)  # max_loaded_models
+        self.start_gate.groups = self.groups
         # The configuration's models (file and start options, as last loaded or reloaded): what
         # `LoadConfigured` may start again once unloaded.
         self.configured = {m.name: m for m in cfg.models}
@@ -341,6 +342,7 @@ class Manager:
         log.info("reload: %s", plan.summary())
         self.settings = plan.manager
         self.budget.cap = plan.manager.max_loaded_models
+        self.budget.retry()  # a raised (or removed) cap lets waiting models start
         self.configured = {m.name: m for m in new.models}
         for name in plan.removed:
             await self.remove_model(name)

@@ -96,6 +96,7 @@ class GroupHost(Protocol):
     tasks: Tasks  # what the group starts in the background (an unload's stop)
     start_gate: StartGate  # one start at a time per device
     budget: Budget  # at most max_loaded_models loaded
+    shutting_down: bool  # nothing starts any more
 
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
     def watch(self, child: Child) -> None: ...
@@ -210,7 +211,7 @@ class EngineGroup:
     def start(self) -> None:
         """Workers first (the engine gets their pidfds), each with the group key on a pipe; once
         no other model is starting on its devices (manager/start_gate.py)."""
-        if self.state not in (S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED):
+        if self.state not in (S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED) or self.host.shutting_down:
             return
         waits = self.host.budget.admit(self) or self.host.start_gate.admit(self)
         if waits is not None:
@@ -220,6 +221,7 @@ class EngineGroup:
                 self.host.on_group_change(self)
             return
         self._enter(S.STARTING)
+        self.release_refused = False
         self.restart_timer = None
         self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
@@ -360,6 +362,12 @@ class EngineGroup:
             log.info("model %s: woken by a request", self.name)
             self.start()
         elif self.state is S.ASLEEP:
+            waits = self.host.budget.admit(self)  # asleep it was not counted; awake it is
+            if waits is not None:
+                if self.reason != waits:
+                    self.reason = waits
+                    self.host.on_group_change(self)
+                return
             log.info("model %s: waking from sleep", self.name)
             self._enter(S.STARTING, "waking")
             self.host.send_to_engine(self, P.Wake())
@@ -481,13 +489,13 @@ class EngineGroup:
 
     async def stop(self, grace_s: float, keep_standbys: bool = False, then: GroupState = S.STOPPED) -> None:
         """Stop every member (then: stopped, or released for an unload); one stop at a time."""
+        self.host.start_gate.forget(self)  # a start it waited for must not happen now
+        self.host.budget.forget(self)
         while self.stopping is not None:  # another stop is under way (an unload, say): after it
             await self.stopping
         if self.state is then or (self.state is S.STOPPED and then is S.RELEASED):
             return
         done = self.stopping = asyncio.get_running_loop().create_future()
-        self.host.start_gate.forget(self)  # a start it waited for must not happen now
-        self.host.budget.forget(self)
         try:
             if self.restart_timer:
                 self.restart_timer.cancel()

@@ -48,9 +48,10 @@ def blocker(labels: Iterable[str], starting: dict[str, tuple[str, ...]]) -> tupl
 
 
 class StartGate:
-    def __init__(self, accelerator: bool):
+    def __init__(self, accelerator: bool, groups: dict[str, "EngineGroup"] | None = None):
         self.accelerator = accelerator
-        self.starting: dict[str, tuple[str, ...]] = {}  # model -> its labels, while its start is under way
+        self.groups = groups  # the served models (a group no longer among them is never started)
+        self.starting: dict["EngineGroup", tuple[str, ...]] = {}  # group -> its labels, while it starts
         self.waiting: list["EngineGroup"] = []  # in the order they asked
 
     def labels(self, group: "EngineGroup") -> tuple[str, ...]:
@@ -60,10 +61,10 @@ class StartGate:
         """None: ``group`` may start now (its start is counted until ``done``); else why it waits
         (it is queued, and started by ``done`` once its devices are free)."""
         labels = self.labels(group)
-        held = blocker(labels, {n: ls for n, ls in self.starting.items() if n != group.name})
+        held = blocker(labels, {g.name: ls for g, ls in self.starting.items() if g is not group})
         if held is None:
             self.forget(group)
-            self.starting[group.name] = labels
+            self.starting[group] = labels
             return None
         if group not in self.waiting:
             self.waiting.append(group)
@@ -72,13 +73,19 @@ class StartGate:
 
     def done(self, group: "EngineGroup") -> None:
         """``group``'s start is over (ready, failed, stopped): start what waited for its devices."""
-        if self.starting.pop(group.name, None) is None:
+        if self.starting.pop(group, None) is None:
             return
         for waiting in list(self.waiting):
-            if blocker(self.labels(waiting), self.starting) is None:
+            if self.groups is not None and self.groups.get(waiting.name) is not waiting:
+                self.waiting.remove(waiting)  # removed or replaced (a reload) meanwhile
+                continue
+            if blocker(self.labels(waiting), {g.name: ls for g, ls in self.starting.items()}) is None:
                 self.waiting.remove(waiting)
                 log.info("model %s: its devices are free; starting it", waiting.name)
-                waiting.start()
+                try:
+                    waiting.start()
+                except Exception:  # its own failure (a spawn refused): not the caller's, nor the queue's
+                    log.exception("model %s: starting it failed", waiting.name)
 
     def forget(self, group: "EngineGroup") -> None:
         """Stopped or removed while waiting: no longer started by ``done``."""

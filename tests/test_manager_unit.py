@@ -52,6 +52,7 @@ class HostDouble:
         self.standbys = StandbysDouble()
         self.start_gate = StartGate(accelerator=False)
         self.budget = Budget(None, {})
+        self.shutting_down = False
         self.tasks = Tasks(logging.getLogger("test"))
         self.published: list[str] = []
         self.child_events: list[tuple[str, str]] = []

@@ -11,10 +11,11 @@ error; at most six starts and releases in all.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from conftest import DEFAULT_MODEL_DIR, DaemonFactory, http
+from conftest import DEFAULT_MODEL_DIR, DaemonFactory, http, requests_running, wait_for
 
 CONFIG = ("[gateway]\nhold_timeout_s = 180\n"
           "[manager]\nwarm_standby = false\nmax_loaded_models = 2\nfreeze_grace_s = 0.5\n" + "".join(
@@ -51,7 +52,8 @@ def test_a_request_for_a_released_model_releases_the_least_recently_used_unpinne
     assert states(d) == {"a": "ready", "b": "released", "c": "ready"}
     assert ask(d, "b") == expected
     assert states(d) == {"a": "ready", "b": "ready", "c": "released"}
-    assert "evicted: model b needs room" in d.log("manager") or "needs room" in d.log("manager")
+    log = d.log("manager")
+    assert "model b: evicted: model c needs room" in log and "model c: evicted: model b needs room" in log
 
 
 def test_a_model_with_a_request_in_flight_is_never_released(d):
@@ -61,16 +63,12 @@ def test_a_model_with_a_request_in_flight_is_never_released(d):
     done_at: list[float] = []
 
     def stream() -> None:
-        import time
-
         long_answer.append(ask(d, "b", max_tokens=400, ignore_eos=True))
         done_at.append(time.monotonic())
 
     t = threading.Thread(target=stream)
     t.start()
-    import time
-
-    time.sleep(0.5)  # the stream is in flight
+    wait_for(lambda: requests_running(d, "b") > 0, 60, interval=0.05, what="b's request in flight")
     assert ask(d, "c") == ask(d, "a")
     answered_at = time.monotonic()
     t.join(300)

@@ -88,5 +88,67 @@ def test_the_longest_idle_unpinned_model_makes_room():
 
     assert choose_victim([r("a", idle=5.0), r("b", idle=3.0), r("c")]) == "b"  # idle longest
     assert choose_victim([r("a", pinned=True, idle=1.0), r("b", idle=9.0)]) == "b"  # never a pinned one
-    assert choose_victim([r("a"), r("b", refused=True)]) == "a"  # not known idle: asked (it may refuse)
+    assert choose_victim([r("a"), r("b", refused=True)]) is None  # busy or just started: never
+    unknown = Resident("a", S.READY, False, None, False, freezes=False)  # freezing off: never says idle
+    assert choose_victim([unknown, r("b", refused=True)]) == "a"  # asked (its engine refuses if busy)
     assert choose_victim([r("a", state=S.STARTING), r("b", refused=True), r("c", pinned=True)]) is None
+
+
+class Budgeted:
+    """What Budget sees of an EngineGroup."""
+
+    def __init__(self, name: str, state, gate: StartGate, idle_since: float | None = None, pinned: bool = False):
+        from types import SimpleNamespace
+
+        self.name, self.state, self.idle_since = name, state, idle_since
+        self.cfg = SimpleNamespace(pinned=pinned)
+        self.host = SimpleNamespace(start_gate=gate)
+        self.release_refused, self.freezing = False, True
+        self.evicted: list[str] = []
+
+    def evict(self, reason: str) -> bool:
+        from servectl.wire.vocab import ModelState as S
+
+        self.evicted.append(reason)
+        self.state = S.RELEASING
+        return True
+
+
+def test_one_eviction_at_a_time_until_the_room_is_there():
+    import asyncio
+
+    from manager.budget import Budget
+    from servectl.wire.vocab import ModelState as S
+
+    async def scenario() -> None:
+        gate = StartGate(accelerator=False)
+        a, b = Budgeted("a", S.READY, gate, idle_since=1.0), Budgeted("b", S.READY, gate, idle_since=2.0)
+        c, e = Budgeted("c", S.RELEASED, gate), Budgeted("e", S.RELEASED, gate)
+        budget = Budget(2, {g.name: g for g in (a, b, c, e)})
+        for g in (c, e):  # as EngineGroup.start: starting once admitted
+            g.start = lambda g=g: budget.admit(g) is None and setattr(g, "state", S.STARTING)
+        assert "waiting for room" in budget.admit(c)
+        assert a.evicted and not b.evicted and budget.releasing == "a"  # the longest idle
+        assert "waiting" in budget.admit(e)  # after c, whatever comes
+        a.state = S.STOPPING  # on its way out: still loaded, still the one released for c
+        budget.changed(a)
+        await asyncio.sleep(0)  # the retry
+        assert not b.evicted, "a second model released for one that needs one"
+        a.state = S.RELEASED
+        budget.changed(a)
+        await asyncio.sleep(0)
+        assert c.state is S.STARTING and e in budget.waiting  # c asked first: its turn
+        assert budget.releasing == "b" and b.evicted  # and now room is made for e
+
+    asyncio.run(scenario())
+
+
+def test_a_model_waiting_for_its_devices_is_counted_once():
+    from manager.budget import Budget
+    from servectl.wire.vocab import ModelState as S
+
+    gate = StartGate(accelerator=False)
+    a = Budgeted("a", S.BACKOFF, gate)
+    gate.waiting.append(a)
+    c = Budgeted("c", S.RELEASED, gate)
+    assert Budget(2, {"a": a, "c": c}).admit(c) is None
