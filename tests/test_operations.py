@@ -209,7 +209,9 @@ def test_several_models_load_unload_reload(tmp_path, daemon_factory):
              and {c.component: c.state for c in d.status().children if c.kind == "gateway"}
              == {"gateway:0": "ready", "gateway:1": "ready"},
              300, interval=1, what="the reloaded models and gateways ready")
-    assert d.child("engine_core:one").pid == applied["engine_core:one"]  # restarted once, by the reload
+    # Restarted once, by the reload (its engine has no pid yet when the reload answers if it waits
+    # for three's start on the same device: one start at a time per device).
+    assert applied["engine_core:one"] in (None, d.child("engine_core:one").pid)
     assert api.completions.create(model="three", prompt="x", max_tokens=2).choices
     # The start option (--api-key-file) is still in force after the reload.
     assert status_of(d, "/v1/models", None) == 401
