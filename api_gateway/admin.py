@@ -142,7 +142,8 @@ class AdminRoutes:
         stats = await asyncio.gather(*(self.engine_stats(m.name) for m in st.models))
         data = [self.model_entry(m, s) for m, s in zip(st.models, stats)]
         data += [{"name": name, "state": "unloaded", "served": False} for name in st.unloaded]
-        return web.json_response({"object": "list", "data": data})
+        # The memory budget: each device's budget and use, the cap, the last eviction (docs/operations.md).
+        return web.json_response({"object": "list", "data": data, "budget": msgspec.to_builtins(st.budget)})
 
     async def engine_stats(self, name: str):
         link = self.gw.links.get(name)
@@ -166,6 +167,11 @@ class AdminRoutes:
             "start_s": m.start_s,  # its longest start so far (a held request waits this out)
             "config_id": m.config_id,  # what its outputs depend on, as a digest (a reload may change it)
             "loras": [msgspec.to_builtins(lora) for lora in m.loras],  # its LoRA adapters (docs/lora.md)
+            # What the memory budget counts for it on each of its devices: measured at its last load,
+            # else estimated (source says how); why it cannot be loaded under the budget, if so.
+            "footprint": {"bytes": m.footprint_bytes, "measured": m.footprint_measured, "source": m.footprint_source,
+                          "devices": m.device_labels},
+            "unfit": m.unfit, "standby_memory_bytes": m.standby_memory_bytes,
         }
 
     async def load(self, request: web.Request) -> web.Response:

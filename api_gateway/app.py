@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -313,12 +314,20 @@ class Gateway:
         gens = generate_messages(forward, prompts, self.new_request_id)
         run = self.generator.run(link, gens, n)  # a request the engine cannot take is a 400 here
         with self.admitted(link, seqs):
-            try:
-                await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
-            except EngineUnavailable as exc:
-                raise unavailable(exc) from None
-            check_kind(req.model, link.supported_tasks, request.path)
+            hold = functools.partial(self.hold, link, seqs, req.model, request.path)
+            if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
+                return await self.generator.respond(request, req, run, chat, base, hold)
+            await hold()
             return await self.generator.respond(request, req, run, chat, base)
+
+    async def hold(self, link: EngineLink, seqs: int, model: str, path: str) -> None:
+        """Until the model's engine is ready to take the request (held while it loads), then
+        whether the model does what the route asks; a 503 or a 400 (HttpError) otherwise."""
+        try:
+            await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
+        except EngineUnavailable as exc:
+            raise unavailable(exc) from None
+        check_kind(model, link.supported_tasks, path)
 
     def check_room(self, link: EngineLink, seqs: int) -> None:
         """Per gateway process: sequences beyond what the engine runs at once are capped. A

@@ -102,6 +102,9 @@ class EngineLink:
         # The LoRA adapters the model serves (the manager's word, in its events): requests may
         # name one of them instead of the model.
         self.loras: list[LoraModule] = []
+        # Why the model cannot be loaded under the memory budget even alone (the manager's word):
+        # its requests are refused at once (a 503 saying why, before any header) instead of held.
+        self.unfit: str | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -190,6 +193,13 @@ class EngineLink:
         # a new incarnation's "ready" replaces the socket (failing what is left on it).
         if self._swap(LIVE, new):
             self.manager_word = state
+
+    def set_unfit(self, unfit: str | None) -> None:
+        was, self.unfit = self.unfit, unfit
+        if unfit and not was:
+            self.decided.set()  # held requests learn it now
+        elif was and not unfit and self.state not in (S.READY, S.FAILED, S.REMOVED):
+            self.decided.clear()
 
     def remove(self) -> None:
         """The model was unloaded: fail what is left and wake whoever waits."""
@@ -340,12 +350,14 @@ class EngineLink:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         self.waiting += sequences
-        if self.state is S.RELEASED:
+        if self.state is S.RELEASED and not self.unfit:
             self.wake(self.model)
         try:
             while True:
                 if self.state is S.READY:
                     return
+                if self.unfit:
+                    raise EngineUnavailable(self.unfit, retry_after=None)
                 if self.state is S.FAILED:
                     raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
                                             f"an operator must run `servectl restart {self.model}`", retry_after=None)

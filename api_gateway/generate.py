@@ -10,7 +10,6 @@ sequences in the engine.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Callable
@@ -23,6 +22,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.errors import HttpError, http_error_body
 from api_gateway.metrics import Metrics
 from api_gateway.sequences import RequestRun
+from api_gateway.sse import SseAnswer, after, client_gone
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
 
@@ -42,12 +42,14 @@ class Generator:
         return RequestRun(link, gens, n, self.cfg, self.new_request_id, self.report_hang)
 
     async def respond(self, request: web.Request, req, run: RequestRun, chat: bool,
-                      base: str) -> web.StreamResponse:
+                      base: str, hold=None) -> web.StreamResponse:
+        """The answer, whole or streamed; ``hold`` (a stream only): the wait for the model, under
+        keep-alive comments (sse.py)."""
         acc = ResponseAccumulator(req, chat, len(run.gens), f"{'chatcmpl' if chat else 'cmpl'}-{base}",
                                   keep=not req.stream)
         run.restart = acc.restart  # a choice that runs again from its start (nothing of it was sent)
         if req.stream:
-            return await self.stream(request, req, run, acc)
+            return await self.stream(request, req, run, acc, hold)
         return await self.complete(request, req, run, acc)
 
     # ---- answers -----------------------------------------------------------------------
@@ -63,42 +65,42 @@ class Generator:
         return web.Response(body=H.encoder.encode(acc.response(created=int(time.time()))),
                             content_type="application/json")
 
-    async def stream(self, request: web.Request, req, run: RequestRun, acc: ResponseAccumulator) -> web.StreamResponse:
+    async def stream(self, request: web.Request, req, run: RequestRun, acc: ResponseAccumulator,
+                     hold=None) -> web.StreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
         started = time.monotonic()
-        gen = run.deltas()
-        first = await first_delta(gen)  # an error before it is a plain error response
-        resp = await open_sse(request, run)
-        write = bounded_writer(resp, self.cfg.body_timeout_s)
+        sse = SseAnswer(request, after(hold, run.deltas()), self.cfg.sse_keep_alive_interval, self.cfg.body_timeout_s)
 
         async def send(obj) -> None:
-            await write(b"data: " + H.encoder.encode(obj) + b"\n\n")
+            await sse.write(b"data: " + H.encoder.encode(obj) + b"\n\n")
 
         try:
             try:
-                item = first
+                item = await sse.next_item()  # an error before the headers: a plain error response
+                run.whole_answer = False  # from now on the client sees the answer as it comes
+                await sse.open()
                 while item is not None:
                     for chunk in acc.chunks(acc.add(*item), created):
                         await send(chunk)
-                    try:
-                        item = await gen.__anext__()
-                    except StopAsyncIteration:
-                        item = None
+                    item = await sse.next_item()
                 if include_usage:
                     await send(acc.usage_chunk(created))
                 self.observe(request, req.model, acc, started)
             except HttpError as exc:
-                # Mid-stream failure: an SSE error event in OpenAI's shape, then [DONE].
-                await gen.aclose()
-                await write(b"data: " + http_error_body(exc) + b"\n\n")
+                if not sse.opened:
+                    raise
+                # A failure after the headers: an SSE error event in OpenAI's shape, then [DONE].
+                await sse.close()
+                await sse.write(b"data: " + http_error_body(exc) + b"\n\n")
             finally:
-                await gen.aclose()  # the end, the client gone, a write timeout: aborts what is left
-            await write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                await sse.close()  # the end, the client gone, a write timeout: aborts what is left
+            await sse.write(b"data: [DONE]\n\n")
+            assert sse.resp is not None
+            await sse.resp.write_eof()
         except (ConnectionError, TimeoutError):
             client_gone(request)
-        return resp
+        return sse.resp
 
     def observe(self, request: web.Request, model: str, acc: ResponseAccumulator, started: float) -> None:
         """The access log's token counts and the latency metrics of one finished request."""
@@ -117,45 +119,3 @@ class Generator:
             m.ttft.labels(model=model).observe(first_token - started)
             if completion > 1:
                 m.itl.labels(model=model).observe((now - first_token) / (completion - 1))
-
-
-# ---- a stream's pieces (this module's chat and completion streams, passthrough.py's) ---------------
-
-async def first_delta(gen):
-    """The first item of ``RequestRun.deltas`` (None if there is none): it decides between a
-    stream and a plain error response, so an error before it is raised as is."""
-    try:
-        return await gen.__anext__()
-    except HttpError:
-        await gen.aclose()
-        raise
-    except StopAsyncIteration:
-        return None
-
-
-async def open_sse(request: web.Request, run: RequestRun) -> web.StreamResponse:
-    """The event stream's response, its headers sent; from now on the client sees the answer as
-    it comes (a choice can no longer run again from its start)."""
-    resp = web.StreamResponse(headers={**request.get("extra_headers", {}), "Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Request-Id": request["request_id"]})
-    await resp.prepare(request)
-    run.whole_answer = False
-    return resp
-
-
-def bounded_writer(resp: web.StreamResponse, timeout_s: float):
-    async def write(data: bytes) -> None:
-        # event-proof: a write waits only while the client's socket buffer is full; a client that
-        # reads nothing for this long is cut (and its sequences aborted).
-        async with asyncio.timeout(timeout_s):
-            await resp.write(data)
-
-    return write
-
-
-def client_gone(request: web.Request) -> None:
-    """The client went away or read nothing for body_timeout_s: its sequences were aborted; the
-    connection is closed, there is no one to answer."""
-    request["log"]["client"] = "gone"
-    if request.transport is not None:
-        request.transport.close()

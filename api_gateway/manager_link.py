@@ -101,7 +101,7 @@ class ManagerLink:
                     if ev.kind is EventKind.MODEL and ev.model:
                         # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s,
-                                            ev.start_s, ev.config_id, ev.loras)
+                                            ev.start_s, ev.config_id, ev.loras, ev.detail if ev.unfit else None)
                     elif ev.kind is EventKind.DEADLINE and ev.model:
                         if ev.step_deadline_s is not None:
                             self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
@@ -117,7 +117,7 @@ class ManagerLink:
                     if isinstance(reply, MP.StatusReply):
                         for m in reply.models:
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s,
-                                                m.start_s, m.config_id, m.loras)
+                                                m.start_s, m.config_id, m.loras, m.unfit)
                             if m.step_deadline_s is not None:
                                 self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
                     elif isinstance(reply, MP.ApiKeys):
@@ -127,7 +127,8 @@ class ManagerLink:
 
     def on_model_event(self, model: str, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None, start_s: float | None = None,
-                       config_id: str = "", loras: list[MP.LoraModule] | None = None) -> None:
+                       config_id: str = "", loras: list[MP.LoraModule] | None = None,
+                       unfit: str | None = None) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`), and so do their LoRA adapters."""
         link = self.links.get(model)
         if state == ModelState.REMOVED:
@@ -139,6 +140,7 @@ class ManagerLink:
             link = self.links[model] = self._new_link(model)
         if loras is not None:
             link.loras = list(loras)
+        link.set_unfit(unfit)
         link.on_model_state(state, incarnation, reason, hold_timeout_s, start_s, config_id)
 
     def on_deadline(self, model: str, seconds: float, incarnation: str = "") -> None:

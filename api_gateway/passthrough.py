@@ -22,6 +22,7 @@ stream began is the API's ``error`` event.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from api_gateway.bodies import read_body
 from api_gateway.errors import EngineUnavailable, HttpError, unavailable
-from api_gateway.generate import bounded_writer, client_gone, first_delta, open_sse
+from api_gateway.sse import SseAnswer, after, client_gone
 from servectl.wire import engine as EP
 
 MESSAGES_PREFIX = "/v1/messages"
@@ -131,13 +132,11 @@ class ApiEndpoints:
         run = g.generator.run(link, [gen], 1)
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
         with g.admitted(link, 1):
-            try:
-                await link.wait_ready(link.hold_s(g.cfg.hold_timeout_s), 1)
-            except EngineUnavailable as exc:
-                raise unavailable(exc) from None
-            check_kind(model, link.supported_tasks, request.path)
+            hold = functools.partial(g.hold, link, 1, model, request.path)
             if req.stream and kind in ("responses", "messages"):
-                return await self.stream(request, kind, run, model)
+                # Held under keep-alive comments while the model is not ready (sse.py).
+                return await self.stream(request, kind, run, model, hold)
+            await hold()
             return await self.complete(request, run, model)
 
     async def complete(self, request: web.Request, run, model: str) -> web.Response:
@@ -156,39 +155,38 @@ class ApiEndpoints:
             raise HttpError(500, "the engine sent no answer", "internal_error")
         return web.Response(body=body.encode(), content_type="application/json")
 
-    async def stream(self, request: web.Request, kind: str, run, model: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, kind: str, run, model: str, hold=None) -> web.StreamResponse:
         g = self.gateway
         started = time.monotonic()
         counts = Counts()
-        gen = run.deltas()
-        first = await first_delta(gen)  # an error before it is a plain error response
-        resp = await open_sse(request, run)
-        write = bounded_writer(resp, g.cfg.body_timeout_s)
+        sse = SseAnswer(request, after(hold, run.deltas()), g.cfg.sse_keep_alive_interval, g.cfg.body_timeout_s)
         events = 0
 
         try:
             try:
-                item = first
+                item = await sse.next_item()  # an error before the headers: a plain error response
+                run.whole_answer = False  # from now on the client sees the answer as it comes
+                await sse.open()
                 while item is not None:
                     d = item[1]
                     counts.add(d)
                     if d.api_output:
                         events += d.api_output.count("\n\n")  # one JSON line per event: no blank line inside
-                        await write(d.api_output.encode())
-                    try:
-                        item = await gen.__anext__()
-                    except StopAsyncIteration:
-                        item = None
+                        await sse.write(d.api_output.encode())
+                    item = await sse.next_item()
                 counts.observe(g, request, model, started)
             except HttpError as exc:
-                await gen.aclose()
-                await write(error_event(kind, exc, events).encode())
+                if not sse.opened:
+                    raise
+                await sse.close()
+                await sse.write(error_event(kind, exc, events).encode())
             finally:
-                await gen.aclose()
-            await resp.write_eof()
+                await sse.close()
+            assert sse.resp is not None
+            await sse.resp.write_eof()
         except (ConnectionError, TimeoutError):
             client_gone(request)
-        return resp
+        return sse.resp
 
 
 def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:

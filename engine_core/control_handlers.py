@@ -69,7 +69,9 @@ class ManagerMessages:
         self.control.send(MP.encoder.encode(MP.ChildReady(
             component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
             max_model_len=self.max_model_len, idle_release=self.idle.mode,
-            device_memory_bytes=self.idle.device_memory(), loras=self._lora_listing())))
+            device_memory_bytes=self.idle.device_memory(), loras=self._lora_listing(),
+            footprint_bytes=self.footprint[0] if self.footprint else None,
+            footprint_source=self.footprint[1] if self.footprint else "")))
 
     def _lora_listing(self):
         """The adapters served (None where the engine takes none: nothing to reconcile)."""

@@ -118,6 +118,8 @@ class EngineServer(ManagerMessages):
         self.draining = False
         self.drain_reported = False
         self.idle = IdleRelease(engine, spec.idle_release_s, release_mode, spec.sleep_level, device_memory)
+        # (bytes per device, how measured) once loaded (engine_core/footprint.py); sent at ready.
+        self.footprint: tuple[int, str] | None = None
         # When the engine last worked, and the deadlines armed when it goes idle (freeze, GroupIdle).
         self.clock = IdleClock(group, self.idle, int(spec.freeze_grace_s * 1000)
                                if spec.freezing and spec.freeze_grace_s > 0 else None)

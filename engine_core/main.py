@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from engine_core.core import EngineServer, StepFailed
+from engine_core.footprint import footprint_in_worker, group_footprint, rss_bytes
 from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.load_errors import describe, permanent_reason
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                       reason)
         report_permanent_failure(control, spec, reason)
         return ExitCode.PERMANENT
+    # What the model holds now it is loaded (the manager's memory budget): measured once.
+    per_worker = engine.collective_rpc(footprint_in_worker)
+    server.footprint = group_footprint(list(per_worker), rss_bytes())
     server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,

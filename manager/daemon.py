@@ -32,12 +32,13 @@ from manager.budget import Budget
 from manager.children import Child
 from manager.control import ControlServer
 from manager.gateways import GatewayPool
-from manager.group import IDLE_RELEASED, EngineGroup, GroupState, has_accelerator
+from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import plan_reload
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from servectl import config as C
+from servectl.memory import device_totals, has_accelerator, model_estimate
 from servectl.messages import bind_failure
 from servectl.model_check import check_model_paths
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
@@ -84,9 +85,18 @@ class Manager:
         self.ctx = zmq.asyncio.Context()
         self.control = ControlServer(self, self.ctx)
         self.standbys = StandbyPool(self)
-        self.start_gate = StartGate(has_accelerator())  # one start at a time per device
+        accelerator = has_accelerator()
+        self.start_gate = StartGate(accelerator)  # one start at a time per device
         self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
-        self.budget = Budget(cfg.manager.max_loaded_models, self.groups)  # max_loaded_models
+        # max_loaded_models and memory_budget; a fraction's base is the device's memory.
+        totals = device_totals(accelerator) if cfg.manager.memory_budget else {}
+        self.budget = Budget(cfg.manager.max_loaded_models, self.groups, labels=self.start_gate.labels,
+                             memory=C.memory_budget(cfg.manager), totals=totals,
+                             estimate=lambda g: model_estimate(g.cfg, self.start_gate.labels(g), accelerator,
+                                                               self.budget.totals))
+        for label in self.budget.unresolved:
+            log.warning("memory_budget.%s is a fraction of device %s, whose memory is not known here: not applied "
+                        "(give it in bytes)", label, label)
         self.start_gate.groups = self.groups
         # The configuration's models (file and start options, as last loaded or reloaded): what
         # `LoadConfigured` may start again once unloaded.
@@ -195,7 +205,8 @@ class Manager:
         self.publish(P.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
                              pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
                              detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
-                             start_s=group.start_s, config_id=group.config_id, loras=list(group.loras)))
+                             start_s=group.start_s, config_id=group.config_id, loras=list(group.loras),
+                             unfit=group.unfit is not None))
         notify(f"STATUS=model {group.name}: {group.state}")
         self.budget.changed(group)
         self.check_settled()
@@ -238,11 +249,12 @@ class Manager:
                 last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
                 exit_code=c.exit_code, exit_signal=c.exit_signal)
                 for c in children],
-            models=[self.model_status(g) for g in self.groups.values()],
+            models=[self.model_status(g) for g in self.groups.values()], budget=self.budget_status(),
             unloaded=[name for name in self.configured if name not in self.groups])
 
     def model_status(self, g: EngineGroup) -> P.ModelStatus:
         idle = g.idle_policy
+        fp = self.budget.footprint(g)
         return P.ModelStatus(
             name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation, reason=g.reason,
             release_after_s=idle.after_s, release_mode=g.release_mode if idle.after_s > 0 else "",
@@ -250,7 +262,26 @@ class Manager:
             memory_bytes=sum(rss_bytes(c.pid) for c in g.children if c.alive),
             device_memory_bytes=g.device_memory_bytes, hold_timeout_s=g.cfg.hold_timeout_s,
             step_deadline_s=g.step_deadline_s, restarts=g.engine.restarts, devices=g.cfg.devices,
-            start_s=g.start_s, config_id=g.config_id, lora_enabled=C.lora_enabled(g.cfg), loras=list(g.loras))
+            start_s=g.start_s, config_id=g.config_id, lora_enabled=C.lora_enabled(g.cfg), loras=list(g.loras),
+            footprint_bytes=fp.bytes, footprint_measured=fp.measured, footprint_source=fp.source,
+            device_labels=list(self.start_gate.labels(g)), unfit=g.unfit,
+            standby_memory_bytes=sum(rss_bytes(c.pid) for c in self.standbys.of_model(g.name) if c.alive))
+
+    def budget_status(self) -> P.BudgetStatus:
+        """Each device's budget and what the loaded models hold there; the last eviction."""
+        b = self.budget
+        loaded = b.loaded()
+        holdings = [(self.start_gate.labels(g), b.footprint(g).bytes or 0, g.name) for g in loaded]
+        labels = sorted({label for ls, _, _ in holdings for label in ls} | set(b.limits))
+        last = b.last_eviction
+        return P.BudgetStatus(
+            max_loaded_models=b.cap, loaded=len(loaded),
+            devices=[P.DeviceBudget(label=label, budget_bytes=b.limits.get(label),
+                                    total_bytes=b.totals.get(label),
+                                    used_bytes=sum(n for ls, n, _ in holdings if label in ls),
+                                    models=[name for ls, _, name in holdings if label in ls]) for label in labels],
+            last_eviction=None if last is None else P.LastEviction(model=last.model, needed_by=last.needed_by,
+                                                                   reason=last.reason, at=last.at))
 
     # ---- changing what is served ---------------------------------------------------------
     def name_taken_by_adapter(self, models: list[C.ModelConfig]) -> str | None:
@@ -273,13 +304,15 @@ class Manager:
 
     def start_group(self, group: EngineGroup) -> None:
         """Start a configured model, or leave it released until its first request: autostart =
-        false, or max_loaded_models already reached (models start in config order)."""
+        false, or no room beside those started before it (models start in config order), or
+        larger than its memory budget alone (its requests are refused)."""
+        if group.refuse_if_unfit():
+            return
         if not group.cfg.autostart:
             group.park()
-        elif not self.budget.fits_at_start(group):
-            log.info("model %s: max_loaded_models = %d reached; released until its first request", group.name,
-                     self.budget.cap)
-            group.park(f"max_loaded_models = {self.budget.cap} reached at start")
+        elif (no_room := self.budget.room_at_start(group)) is not None:
+            log.info("model %s: %s; released until its first request", group.name, no_room)
+            group.park(no_room)
         else:
             group.start()
 
@@ -342,7 +375,13 @@ class Manager:
         log.info("reload: %s", plan.summary())
         self.settings = plan.manager
         self.budget.cap = plan.manager.max_loaded_models
-        self.budget.retry()  # a raised (or removed) cap lets waiting models start
+        if plan.manager.memory_budget and not self.budget.totals:
+            self.budget.totals = device_totals(self.start_gate.accelerator)
+        self.budget.set_memory(C.memory_budget(plan.manager))
+        for group in self.groups.values():  # a model too large for the old budget may fit the new
+            if group.unfit is not None and group.state is GroupState.RELEASED:
+                group.refuse_if_unfit()
+        self.budget.retry()  # a raised (or removed) cap or budget lets waiting models start
         self.configured = {m.name: m for m in new.models}
         for name in plan.removed:
             await self.remove_model(name)

@@ -28,6 +28,7 @@ from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from manager.worker_cpus import worker_envs as cpu_worker_envs
+from servectl.memory import has_accelerator
 from servectl import config as C
 from servectl.tasks import Tasks
 from servectl.wire import control as P
@@ -132,6 +133,14 @@ class EngineGroup:
         self.idle_since: float | None = None  # wall clock; known while frozen (GroupFrozen)
         self.released_since: float | None = None
         self.device_memory_bytes: int | None = None  # as the engine last reported
+        # What it holds per device, as its engine measured it at its last load (ChildReady), and
+        # how; before that, the budget's estimate (manager/budget.py), made once.
+        self.footprint_bytes: int | None = None
+        self.footprint_source = ""
+        self.estimate = None
+        # Why it can never be loaded under the memory budget (larger than a device's alone):
+        # its requests are refused (the gateways' 503) instead of held.
+        self.unfit: str | None = None
         self.wake_wanted = False  # a gateway asked while the release was under way
         # The longest start (launch to ready) seen, and when the one under way began: a held
         # request's wait covers a start as long (the gateways' EngineLink.hold_s).
@@ -213,6 +222,8 @@ class EngineGroup:
         no other model is starting on its devices (manager/start_gate.py)."""
         if self.state not in (S.STOPPED, S.BACKOFF, S.FAILED, S.RELEASED) or self.host.shutting_down:
             return
+        if self.refuse_if_unfit():
+            return
         waits = self.host.budget.admit(self) or self.host.start_gate.admit(self)
         if waits is not None:
             if self.reason != waits:
@@ -271,8 +282,25 @@ class EngineGroup:
 
     def park(self, why: str = "autostart = false") -> None:
         """Configured and listed, started by its first request (WakeModel): autostart = false, or
-        no room at start (max_loaded_models)."""
+        no room at start (max_loaded_models, memory_budget)."""
         self._swap({S.STOPPED}, S.RELEASED, f"{why}: starts on its first request")
+
+    def refuse_if_unfit(self) -> bool:
+        """True (and the model stays released, saying why) if it cannot fit its memory budget
+        even alone: no start is tried, its requests are refused."""
+        unfit = self.host.budget.unfit(self)
+        changed = unfit != self.unfit
+        self.unfit = unfit
+        if unfit is None:
+            if changed:
+                self.host.on_group_change(self)  # the gateways hold its requests again
+            return False
+        if changed:
+            log.warning("%s", unfit)
+        if not self._swap({S.STOPPED}, S.RELEASED, unfit) and (changed or self.reason != unfit):
+            self.reason = unfit
+            self.host.on_group_change(self)
+        return True
 
     def on_ready(self, msg: P.ChildReady) -> None:
         """The engine serves: built (a start) or awake again (a wake from sleep)."""
@@ -285,6 +313,8 @@ class EngineGroup:
                             "platform); an idle model is unloaded instead", self.name, str(self.release_mode))
             self.release_mode = mode
         self.device_memory_bytes = msg.device_memory_bytes
+        if msg.footprint_bytes is not None:
+            self.footprint_bytes, self.footprint_source = msg.footprint_bytes, msg.footprint_source
         if msg.loras is not None:
             dropped = {lora.name for lora in self.loras} - {lora.name for lora in msg.loras}
             if dropped:
@@ -362,6 +392,8 @@ class EngineGroup:
             log.info("model %s: woken by a request", self.name)
             self.start()
         elif self.state is S.ASLEEP:
+            if self.refuse_if_unfit():
+                return
             waits = self.host.budget.admit(self)  # asleep it was not counted; awake it is
             if waits is not None:
                 if self.reason != waits:
@@ -525,11 +557,6 @@ class EngineGroup:
         await self.stop(grace_s, keep_standbys=True)  # same configuration: the standbys fit
         self.policy.reset()
         self.start()
-
-
-def has_accelerator() -> bool:
-    """A GPU host (NVIDIA or AMD device nodes): workers compute there, not on the cores."""
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
 
 
 def key_pipe(key: bytes) -> int:

@@ -19,23 +19,12 @@ import logging
 from typing import TYPE_CHECKING, Iterable
 
 from servectl import config as C
+from servectl.memory import CPU, device_labels  # noqa: F401 (CPU: the label of host memory)
 
 if TYPE_CHECKING:
     from manager.group import EngineGroup
 
 log = logging.getLogger("manager")
-
-CPU = "cpu"
-
-
-def device_labels(model: C.ModelConfig, accelerator: bool) -> tuple[str, ...]:
-    """The devices a model's engine group uses, as labels. Pure."""
-    if model.devices is not None and model.devices.strip():
-        return tuple(d.strip() for d in model.devices.split(",") if d.strip())
-    if not accelerator:
-        return (CPU,)
-    return tuple(str(i) for i in range(model.tensor_parallel_size))
-
 
 def blocker(labels: Iterable[str], starting: dict[str, tuple[str, ...]]) -> tuple[str, str] | None:
     """(model, label) of a start under way on one of ``labels``, or None: free to start. Pure."""

@@ -23,10 +23,11 @@ from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import (MAX_REPLY_BYTES, ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager,
                              wait_settled)
+from servectl.memory import budget_warnings
 from servectl.messages import last_error, one_line, without_tracebacks
 from servectl.model_check import check_model_paths
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
-from servectl.status_view import fmt_age, models_table, proc_usage
+from servectl.status_view import budget_table, fmt_age, models_table, proc_usage
 from servectl.wire.vocab import ChildState, EventKind, ExitCode, ModelState
 
 # Piped output (scripts, logs) gets a wide fixed width rather than 80 columns.
@@ -309,6 +310,8 @@ def status(runtime_dir, as_json):
                       *map(Text, (fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")))
     console.print(table)
     console.print(models_table(st.models))
+    if st.budget.max_loaded_models is not None or any(d.budget_bytes is not None for d in st.budget.devices):
+        console.print(budget_table(st.budget))
     for m in st.models:
         if m.state == ModelState.FAILED:
             show_model_failure(console, m, st.children)
@@ -528,6 +531,8 @@ def config_check(path):
         for msg in bad:
             say(err, (msg, "red"))
         sys.exit(CONFIG_ERROR)
+    for warning in budget_warnings(cfg):
+        say(err, (f"warning: {warning}", "yellow"))
     say(err, f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):")
     click.echo(msgspec.json.format(msgspec.json.encode(C.redacted(cfg)), indent=2).decode())
 

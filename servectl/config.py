@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from servectl.wire.vocab import IdleMode
+from servectl.memory import Amount, check_budget, parse_size
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "default"
 DEFAULT_MODEL_NAME = "default"
@@ -59,6 +60,10 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     processes: PositiveInt = 1
     # Requests that arrive while their engine restarts wait this long.
     hold_timeout_s: PositiveFloat = 60.0
+    # A stream with nothing to send this long (held while its model loads, queued, in prefill)
+    # gets an SSE comment, ": keep-alive", so proxies do not cut it (vLLM's --sse-keep-alive-interval;
+    # 0: never). vLLM's default is 0; a held load takes minutes, so servectl's is not.
+    sse_keep_alive_interval: NonNegativeFloat = 15.0
     # No output for an in-flight request this long, and then no answer from its
     # engine for as long again (a step stuck on a hung worker): the group is hung.
     output_timeout_s: PositiveFloat = 120.0
@@ -123,6 +128,10 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the least recently used one first (manager/budget.py); at start, models beyond it stay
     # released until their first request.
     max_loaded_models: PositiveInt | None = None
+    # Memory per device label (a GPU index, or "cpu" for host memory on a machine without one):
+    # bytes, a size ("24GiB") or a fraction of the device's memory (0.8). A model that does not
+    # fit beside those loaded releases the least recently used ones first (manager/budget.py).
+    memory_budget: dict[str, int | float | str] = {}
 
 
 # A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules
@@ -172,6 +181,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     autostart: bool = True
     # true: never released to make room for another model (max_loaded_models).
     pinned: bool = False
+    # Its footprint per device before its engine measured one (bytes or "6GiB"); else estimated
+    # from its checkpoint and KV cache (servectl/memory.py).
+    expected_memory: int | str | None = None
     # Per-model override of [gateway] hold_timeout_s (a cold load of a big model takes minutes).
     hold_timeout_s: PositiveFloat | None = None
     # LoRA adapters served beside the model (vLLM's --lora-modules; needs engine_args.enable_lora):
@@ -317,7 +329,16 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
                               "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
         m.lora_modules = lora_modules(m, where)
+        if m.expected_memory is not None:
+            try:
+                parse_size(m.expected_memory)
+            except ValueError as exc:
+                raise ConfigError(f"config error{where}: models.{m.name}.expected_memory: {exc}") from None
     check_lora_names(cfg.models, where)
+    try:
+        check_budget(cfg.manager.memory_budget)
+    except ValueError as exc:
+        raise ConfigError(f"config error{where}: manager.{exc}") from None
     gw = cfg.gateway
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
     gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)
@@ -352,6 +373,11 @@ def lora_modules(m: ModelConfig, where: str = "") -> list[LoraModule]:
         raise ConfigError(f"config error{where}: models.{m.name}.lora_modules needs `enable_lora = true` in the "
                           "model's engine_args (vLLM: --lora-modules needs --enable-lora)")
     return out
+
+
+def memory_budget(manager: ManagerConfig) -> dict[str, Amount]:
+    """[manager] memory_budget as amounts per device label (checked by finalize)."""
+    return check_budget(manager.memory_budget)
 
 
 def lora_enabled(m: ModelConfig) -> bool:

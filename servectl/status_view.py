@@ -60,7 +60,8 @@ def models_table(models: list[P.ModelStatus]) -> Table:
     """Per model: state, idle time, time to release, and the memory its engine and workers hold."""
     now = time.time()
     table = Table(show_lines=False)
-    for col in ("model", "state", "idle", "releases in", "idle release", "memory held", "accelerator", "adapters"):
+    for col in ("model", "state", "idle", "releases in", "idle release", "memory held", "accelerator", "footprint",
+                "standbys", "adapters"):
         table.add_column(col)
     for m in models:
         idle, release_in = idle_columns(m, now)
@@ -70,5 +71,30 @@ def models_table(models: list[P.ModelStatus]) -> Table:
         # Its LoRA adapters (`servectl lora list` names them); "-": it takes none.
         adapters = str(len(m.loras)) if m.lora_enabled else "-"
         table.add_row(m.name, f"[{color}]{m.state}[/{color}]", idle, release_in, mode, fmt_bytes(m.memory_bytes),
-                      fmt_bytes(m.device_memory_bytes), adapters)
+                      fmt_bytes(m.device_memory_bytes), fmt_footprint(m), fmt_bytes(m.standby_memory_bytes or None),
+                      adapters)
+    return table
+
+
+def fmt_footprint(m: P.ModelStatus) -> str:
+    """What the memory budget counts for the model per device: measured at its last load, or
+    estimated before it ("~", and how)."""
+    if m.footprint_bytes is None:
+        return "-"
+    if m.footprint_measured:
+        return f"{fmt_bytes(m.footprint_bytes)} measured"
+    return f"~{fmt_bytes(m.footprint_bytes)} estimated ({m.footprint_source})"
+
+
+def budget_table(b: P.BudgetStatus) -> Table:
+    """Per device: its budget, what the loaded models hold there, and which; the cap; the last eviction."""
+    cap = f"{b.loaded} of {b.max_loaded_models}" if b.max_loaded_models is not None else f"{b.loaded} (no cap)"
+    last = "" if b.last_eviction is None else (
+        f"; last eviction {fmt_age(b.last_eviction.at)} ago: {b.last_eviction.model} for {b.last_eviction.needed_by}")
+    table = Table(title=f"loaded models: {cap}{last}", show_lines=False)
+    for col in ("device", "budget", "in use", "device memory", "models"):
+        table.add_column(col)
+    for d in b.devices:
+        table.add_row(d.label, fmt_bytes(d.budget_bytes) if d.budget_bytes is not None else "none",
+                      fmt_bytes(d.used_bytes), fmt_bytes(d.total_bytes), ", ".join(d.models) or "-")
     return table

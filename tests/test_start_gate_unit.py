@@ -97,11 +97,13 @@ def test_the_longest_idle_unpinned_model_makes_room():
 class Budgeted:
     """What Budget sees of an EngineGroup."""
 
-    def __init__(self, name: str, state, gate: StartGate, idle_since: float | None = None, pinned: bool = False):
+    def __init__(self, name: str, state, gate: StartGate, idle_since: float | None = None, pinned: bool = False,
+                 footprint: int | None = None, devices: str | None = None):
         from types import SimpleNamespace
 
         self.name, self.state, self.idle_since = name, state, idle_since
-        self.cfg = SimpleNamespace(pinned=pinned)
+        self.cfg = SimpleNamespace(pinned=pinned, devices=devices, tensor_parallel_size=1)
+        self.footprint_bytes, self.footprint_source, self.estimate, self.unfit = footprint, "measured", None, None
         self.host = SimpleNamespace(start_gate=gate)
         self.release_refused, self.freezing = False, True
         self.evicted: list[str] = []

@@ -43,10 +43,15 @@ HTTP = CP.HttpCaller(key_id="sha256:0123456789ab", address="127.0.0.1", gateway=
 LORA = CP.LoraModule(name="sql", path="/a/sql", base_model_name="m.1")
 
 # Every field differs from its default in some sample, so omit_defaults hides nothing.
+DEVICE = known_fields(CP.DeviceBudget, label="0", budget_bytes=8 << 30, total_bytes=80 << 30, used_bytes=6 << 30,
+                      models=["a", "b"])
+EVICTION = known_fields(CP.LastEviction, model="a", needed_by="c", reason="evicted: model c needs room", at=5.0)
+BUDGET = known_fields(CP.BudgetStatus, max_loaded_models=2, loaded=2, devices=[DEVICE], last_eviction=EVICTION)
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
     CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", max_model_len=512,
-                                  idle_release="sleep", device_memory_bytes=1 << 30, loras=[LORA]),
+                                  idle_release="sleep", device_memory_bytes=1 << 30, loras=[LORA],
+                                  footprint_bytes=2 << 30, footprint_source="vLLM (accelerator)"),
                     CP.ChildReady(component="gateway:0", pid=13)],
     CP.GroupFrozen: [known_fields(CP.GroupFrozen, model="m.1", frozen=True, idle_since=12.5),
                      CP.GroupFrozen(model="m.1", frozen=False)],
@@ -88,11 +93,17 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
                                   memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
                                   step_deadline_s=5.0, restarts=2, devices="0,1", start_s=9.5,
-                                  config_id="fedcba9876543210", lora_enabled=True, loras=[LORA])],
+                                  config_id="fedcba9876543210", lora_enabled=True, loras=[LORA],
+                                  footprint_bytes=3 << 30, footprint_measured=True, footprint_source="RSS",
+                                  device_labels=["0", "1"], unfit="too large", standby_memory_bytes=1 << 28)],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
                                     models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
-                                                           incarnation="abc")], unloaded=["m.2"])],
+                                                           incarnation="abc")], unloaded=["m.2"],
+                                    budget=BUDGET)],
+    CP.BudgetStatus: [CP.BudgetStatus(), BUDGET],
+    CP.DeviceBudget: [DEVICE, CP.DeviceBudget(label="cpu", budget_bytes=None)],
+    CP.LastEviction: [EVICTION],
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True)],
     # manager → whoever started it (JSON on the --report-fd pipe)
     CP.StartupFailed: [CP.StartupFailed(message="127.0.0.1:8000 is already in use", exit_code=1)],
@@ -110,7 +121,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
                known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
                             time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef",
-                            loras=[LORA]),
+                            loras=[LORA], unfit=True),
                known_fields(CP.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
                             pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine

@@ -38,6 +38,10 @@ class ChildReady(_Msg, tag="child_ready"):
     device_memory_bytes: int | None = None
     # The LoRA adapters the engine loaded at start (EngineSpec.loras less any that failed).
     loras: list[LoraModule] | None = None
+    # What the model holds per device now it is loaded, as the engine measured it, and how
+    # (engine_core/footprint.py): the manager's memory budget counts it from then on.
+    footprint_bytes: int | None = None
+    footprint_source: str = ""
 
 
 class GroupFrozen(_Msg, tag="group_frozen"):
@@ -279,6 +283,36 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     devices: str | None = None  # as configured (CUDA_VISIBLE_DEVICES for its workers)
     lora_enabled: bool = False  # its engine takes LoRA adapters (engine_args.enable_lora)
     loras: list[LoraModule] = []  # the adapters it serves (configured and loaded at run time)
+    # What it holds on each of its devices (device_labels): measured by its engine at its last
+    # load, else estimated (footprint_source says how); what the memory budget counts.
+    footprint_bytes: int | None = None
+    footprint_measured: bool = False
+    footprint_source: str = ""
+    device_labels: list[str] = []
+    unfit: str | None = None  # why it cannot be loaded under the memory budget even alone
+    standby_memory_bytes: int = 0  # host memory of its warm standbys (not in any budget)
+
+
+class DeviceBudget(msgspec.Struct, kw_only=True):
+    label: str  # a GPU index, or "cpu"
+    budget_bytes: int | None  # None: no memory_budget for it
+    total_bytes: int | None = None  # the device's memory, where known
+    used_bytes: int = 0  # the footprints of the models loaded there
+    models: list[str] = []
+
+
+class LastEviction(msgspec.Struct, kw_only=True):
+    model: str  # released
+    needed_by: str  # for this model
+    reason: str
+    at: float
+
+
+class BudgetStatus(msgspec.Struct, kw_only=True):
+    max_loaded_models: int | None = None
+    loaded: int = 0  # models holding their memory now
+    devices: list[DeviceBudget] = []
+    last_eviction: LastEviction | None = None
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -294,6 +328,7 @@ class StatusReply(_Msg, tag="status_reply"):
     models: list[ModelStatus]
     # Models of the configuration that are not served now (unloaded); `LoadConfigured` starts one.
     unloaded: list[str] = []
+    budget: BudgetStatus = msgspec.field(default_factory=BudgetStatus)
 
 
 class Ack(_Msg, tag="ack"):
@@ -405,6 +440,9 @@ class Event(msgspec.Struct, kw_only=True):
     step_deadline_s: float | None = None
     # Model events: the LoRA adapters it serves (requests may name them instead of the model).
     loras: list[LoraModule] = []
+    # Model events: it cannot be loaded under the memory budget even alone (detail says why):
+    # gateways refuse its requests instead of holding them.
+    unfit: bool = False
 
 
 control_in_decoder = msgspec.msgpack.Decoder(ControlIn)
