@@ -61,7 +61,11 @@ async def after(hold: Callable[[], Awaitable[None]] | None, items: AsyncIterator
 class SseAnswer:
     """One streamed answer: its items (``RequestRun.deltas``, after the hold for its model where
     one is needed) read one at a time, with a keep-alive comment whenever none came for
-    ``interval`` seconds (0: never), and the response opened at the first chunk or comment."""
+    ``interval`` seconds (0: never), and the response opened at the first chunk or comment.
+
+    The items are awaited directly (no task per item); a one-shot timer armed for each wait
+    writes the comment from a task of its own, which the next write waits for, so bytes never
+    interleave."""
 
     def __init__(self, request: web.Request, items: AsyncIterator, interval: float, timeout_s: float):
         self.request = request
@@ -70,7 +74,10 @@ class SseAnswer:
         self.timeout_s = timeout_s
         self.resp: web.StreamResponse | None = None
         self._write: Callable[[bytes], Awaitable[None]] | None = None
-        self._next: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._commenting: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None  # set while next_item waits (comments are due then)
+        self._failed: BaseException | None = None  # a comment's write failed: the client is gone
         self.comments = 0
 
     @property
@@ -84,6 +91,10 @@ class SseAnswer:
         return self.resp
 
     async def write(self, data: bytes) -> None:
+        await self._comment_written()
+        await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
         await self.open()
         assert self._write is not None
         await self._write(data)
@@ -91,32 +102,63 @@ class SseAnswer:
     async def next_item(self):
         """The next item (None: there are no more), keep-alive comments written while it is awaited;
         an item's error is raised (before the response opened: a plain error response)."""
-        if not self.interval:
-            try:
-                return await self.items.__anext__()
-            except StopAsyncIteration:
-                return None
-        if self._next is None:
-            self._next = asyncio.ensure_future(self.items.__anext__())
-        while True:
-            # event-proof: vLLM's sse_keep_alive_interval: a comment to a stream that has had nothing to
-            # send this long; armed only while a streamed answer waits for its next item.
-            done, _ = await asyncio.wait({self._next}, timeout=self.interval)
-            if done:
-                break
-            self.comments += 1
-            await self.write(KEEP_ALIVE_COMMENT)
-        fut, self._next = self._next, None
+        if self.interval:
+            self._reader = asyncio.current_task()
+            self._arm()
         try:
-            return fut.result()
+            return await self.items.__anext__()
         except StopAsyncIteration:
             return None
+        except asyncio.CancelledError:
+            failed = self._failed
+            if failed is not None and self._reader is not None and self._reader.uncancel() == 0:
+                raise failed from None  # cancelled by _comment: the client went away meanwhile
+            raise
+        finally:
+            self._reader = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _arm(self) -> None:
+        # event-proof: vLLM's sse_keep_alive_interval: a one-shot timer, armed only while a streamed
+        # answer waits for its next item, cancelled when it comes.
+        self._timer = asyncio.get_running_loop().call_later(self.interval, self._comment_due)
+
+    def _comment_due(self) -> None:
+        self._timer = None
+        if self._commenting is None or self._commenting.done():
+            self._commenting = asyncio.ensure_future(self._comment())
+
+    async def _comment(self) -> None:
+        self.comments += 1
+        try:
+            await self._send(KEEP_ALIVE_COMMENT)
+        except (ConnectionError, TimeoutError) as exc:
+            # Nobody reads any more: the wait for the item ends (its sequences are aborted).
+            self._failed = exc
+            if self._reader is not None:
+                self._reader.cancel()
+            return
+        if self._timer is None and self._reader is not None:
+            self._arm()  # still waiting: the next comment
+
+    async def _comment_written(self) -> None:
+        """A comment being written is finished (or its failure raised) before anything else is."""
+        task, self._commenting = self._commenting, None
+        if task is not None:
+            await task
+        if self._failed is not None:
+            raise self._failed
 
     async def close(self) -> None:
         """Stop reading (the end, an error, the client gone): what is left is aborted."""
-        fut, self._next = self._next, None
-        if fut is not None and not fut.done():
-            fut.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task, self._commenting = self._commenting, None
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(BaseException):
-                await fut
+                await task
         await self.items.aclose()  # type: ignore[attr-defined]

@@ -312,6 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     return finish("gpu_check", report, t0, p.json, " (dry run: no GPU figures)" if p.dry_run else "")
 
 
+def run_daemon_check(tool: str, d, check, report: dict, json_path: Path | None, note: str,
+                     log_component: str) -> int:
+    """Run ``check(d, report)`` against a started-by-it daemon ``d``; stop ``d`` whatever happens;
+    a failed assertion is the report's failure, with the tail of ``log_component``'s log."""
+    report["ok"] = False
+    t0 = time.monotonic()
+    try:
+        check(d, report)
+        report["ok"] = True
+    except (CheckFailed, TimeoutError, RuntimeError, OSError) as exc:
+        report["failure"] = f"{type(exc).__name__}: {exc}"
+        print(f"{tool} FAILED: {report['failure']}", file=sys.stderr, flush=True)
+        print("\n".join(d.log(log_component).splitlines()[-15:]), file=sys.stderr)
+    finally:
+        d.stop()
+    return finish(tool, report, t0, json_path, note)
+
+
 def finish(tool: str, report: dict, t0: float, json_path: Path | None, note: str) -> int:
     """A check's last words: its time, the JSON report if asked for, one line, the exit status."""
     report["seconds"] = round(time.monotonic() - t0, 1)

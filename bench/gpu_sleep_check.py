@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench import run as B
-from bench.gpu_check import CheckFailed, cuda_host, finish
+from bench.gpu_check import CheckFailed, cuda_host, run_daemon_check
 from bench.idle_release import MODEL, IdleDaemon, config_text
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,19 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     config = config_text(p.release_s, mode="sleep", extra_engine_args=extra,
                          manager=f"sleep_level = {p.level}\n").replace("autostart = false\n", "")
     d = IdleDaemon(Path(tempfile.mkdtemp(prefix="servectl-sleep-check-")), config)
-    report: dict = {"dry_run": p.dry_run, "level": p.level, "machine": B.machine(), "ok": False}
-    t0 = time.monotonic()
-    try:
-        run_check(d, p, report)
-        report["ok"] = True
-    except (CheckFailed, TimeoutError, RuntimeError, OSError) as exc:
-        report["failure"] = f"{type(exc).__name__}: {exc}"
-        print(f"gpu_sleep_check FAILED: {report['failure']}", file=sys.stderr, flush=True)
-        print("\n".join(d.log(f"engine_core:{MODEL}").splitlines()[-15:]), file=sys.stderr)
-    finally:
-        d.stop()
-    return finish("gpu_sleep_check", report, t0, p.json,
-                  " (dry run: sleep falls back to unload on CPU; no GPU figures)" if p.dry_run else "")
+    report: dict = {"dry_run": p.dry_run, "level": p.level, "machine": B.machine()}
+    return run_daemon_check("gpu_sleep_check", d, lambda d, report: run_check(d, p, report), report, p.json,
+                            " (dry run: sleep falls back to unload on CPU; no GPU figures)" if p.dry_run else "",
+                            f"engine_core:{MODEL}")
 
 
 if __name__ == "__main__":

@@ -206,12 +206,14 @@ class Budget:
 
     def admit(self, group: "EngineGroup") -> str | None:
         """None: ``group`` may start now; else why it waits (it is started once there is room).
-        First come, first served: a model is admitted only once those that asked before it are."""
+        First come, first served among models that compete for the same room (the cap, or a
+        device they share): one is admitted only once those that asked before it are."""
         if not self.active:
             return None
-        first = not self.waiting or self.waiting[0] is group
         short = self.short(group)
-        if short is None and (first or group not in self.waiting and not self.waiting):
+        before = self.waiting[:self.waiting.index(group)] if group in self.waiting else self.waiting
+        ahead = next((w for w in before if self.competes(w, group)), None)
+        if short is None and ahead is None:
             if group in self.waiting:
                 self.waiting.remove(group)
             return None
@@ -219,10 +221,14 @@ class Budget:
             self.waiting.append(group)
         self.make_room()
         if short is None:
-            return f"waiting for room: {self.waiting[0].name} asked first"
+            return f"waiting for room: {ahead.name} asked first" if ahead else "waiting for room"
         return (f"waiting for room: {self.describe(group, short)}"
                 + (f"; releasing {self.releasing}, the least recently used" if self.releasing else
                    "; none can be released now (pinned, or a request in flight)"))
+
+    def competes(self, a: "EngineGroup", b: "EngineGroup") -> bool:
+        """Whether two models need the same room: the cap (global), or a device they share."""
+        return self.cap is not None or bool(set(self.labels(a)) & set(self.labels(b)) & set(self.limits))
 
     def make_room(self) -> None:
         """Release the least recently used model (one at a time) for the first model that waits,

@@ -251,3 +251,84 @@ def test_an_error_before_any_comment_is_a_plain_error():
             assert resp.status == 503 and await resp.text() == "too large"
 
     asyncio.run(scenario())
+
+
+def test_a_model_on_another_device_does_not_wait_behind_one_that_waits_for_room():
+    async def scenario() -> None:
+        gate = StartGate(accelerator=True)
+        a = Group("a", S.READY, gate, "0", 8 * GiB, idle_since=None)  # busy: cannot be evicted now
+        d = Group("d", S.RELEASED, gate, "0", None, expected=4 * GiB)
+        e = Group("e", S.RELEASED, gate, "1", None, expected=4 * GiB)
+        f = Group("f", S.RELEASED, gate, "0", None, expected=1 * GiB)
+        budget = budget_of([a, d, e, f], {"0": "10GiB", "1": "10GiB"})
+        assert budget.admit(d) is not None and budget.waiting == [d]
+        assert budget.admit(e) is None, "device 1 has room: e does not queue behind d"
+        assert "d asked first" in budget.admit(f)  # f would fit on device 0, but d asked first
+
+    asyncio.run(scenario())
+
+
+def test_a_client_gone_during_a_hold_ends_the_wait():
+    """The server cancels the handler (aiohttp), or the next comment's write fails: either way the
+    held request is given up, not held on until its timeout."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from api_gateway.sse import SseAnswer, after
+
+    async def scenario() -> None:
+        outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def hold() -> None:
+            await asyncio.Event().wait()  # the model never loads
+
+        async def items():
+            yield "never"
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            request["request_id"] = "r"
+            sse = SseAnswer(request, after(hold, items()), 0.05, 5)
+            try:
+                await sse.next_item()
+                outcome.set_result("an item")
+            except (ConnectionError, TimeoutError, asyncio.CancelledError) as exc:
+                outcome.set_result(type(exc).__name__)
+                raise
+            finally:
+                await sse.close()
+            return sse.resp
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get("/")
+            assert await resp.content.readline() == b": keep-alive\n"
+            resp.close()  # the client goes away
+            assert await asyncio.wait_for(outcome, 10) != "an item"
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_comment_ends_the_wait_with_the_write_error():
+    """Where nothing cancels the handler, the comment's failed write does (ConnectionError raised)."""
+    from api_gateway.sse import SseAnswer, after
+
+    async def scenario() -> None:
+        async def hold() -> None:
+            await asyncio.Event().wait()
+
+        async def items():
+            yield "never"
+
+        sse = SseAnswer(None, after(hold, items()), 0.05, 5)
+
+        async def broken(data: bytes) -> None:
+            raise ConnectionResetError("gone")
+
+        sse.resp, sse._write = object(), broken  # opened, on a connection that is gone
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(sse.next_item(), 10)
+        await sse.close()
+        assert asyncio.current_task().cancelling() == 0  # the reader's cancel was taken back
+
+    asyncio.run(scenario())

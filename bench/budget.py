@@ -1,0 +1,131 @@
+"""More models than fit (issue 35): what an eviction costs.
+
+    python -m bench.budget [--rounds 3] [--idle-s 10]
+
+Two copies of the bundled model, ``a`` loaded at start and ``b`` on first use, with room for
+one (``max_loaded_models = 1``: the same eviction path as a memory budget). Each round starts
+a fresh daemon, asks ``a`` once and lets it go idle, then streams a request for ``b``: ``a`` is
+evicted (unloaded: no sleep mode on CPU) and ``b`` started. Figures, median and spread of the
+rounds, with warm standbys (the start takes a standby's pre-imported interpreter) and without:
+
+- request for the evicted model → first token;
+- host memory held by the models before and after the eviction (engine and workers' RSS; the
+  standbys' apart) and the footprints the budget counts;
+- context switches per second of the whole tree, idle afterwards (``b`` frozen, ``a`` evicted):
+  an evicted model leaves nothing that wakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import run as B
+from bench.idle_release import PROMPT, IdleDaemon
+from servectl.config import DEFAULT_MODEL_DIR
+
+
+def config_text(warm: bool) -> str:
+    args = {"enforce_eager": True, "kv_cache_memory_bytes": B.KV_BYTES, "max_model_len": B.MAX_MODEL_LEN,
+            "dtype": B.DTYPE}
+    engine = "[models.engine_args]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in args.items())
+    return ("[gateway]\nhold_timeout_s = 600\n"
+            f"[manager]\nfreeze_grace_s = 0.5\nwarm_standby = {str(warm).lower()}\nmax_loaded_models = 1\n"
+            f'[[models]]\nname = "a"\nmodel = "{DEFAULT_MODEL_DIR}"\n{engine}'
+            f'[[models]]\nname = "b"\nmodel = "{DEFAULT_MODEL_DIR}"\nautostart = false\n{engine}')
+
+
+class Pair(IdleDaemon):
+    def models(self) -> dict[str, dict]:
+        return {m["name"]: m for m in self.status()["models"]}
+
+    def held(self) -> dict:
+        m = self.models()
+        return {"models_rss": sum(x["memory_bytes"] for x in m.values()),
+                "standbys_rss": sum(x["standby_memory_bytes"] for x in m.values()),
+                "footprints_counted": self.status()["budget"]["devices"][0]["used_bytes"]}
+
+
+def one_round(warm: bool, idle_s: float) -> dict:
+    d = Pair(Path(tempfile.mkdtemp(prefix="servectl-budget-bench-")), config_text(warm))
+    try:
+        d.start()
+        if warm:
+            d.wait_standbys_warm()
+        d.stream({**PROMPT, "model": "a"})
+        d.wait(lambda: d.models()["a"]["frozen"], 60, "a idle")
+        before = d.held()
+        asked = d.stream({**PROMPT, "model": "b"})
+        m = d.models()
+        assert m["a"]["state"] == "released" and m["b"]["state"] == "ready", {k: v["state"] for k, v in m.items()}
+        after = d.held()
+        d.wait(lambda: d.models()["b"]["frozen"], 60, "b idle")
+        pids = d.pids()
+        cpu0, sw0 = B.tree_counters(pids)
+        time.sleep(idle_s)  # the measurement window: the tree is idle, nothing should wake
+        cpu1, sw1 = B.tree_counters(pids)
+        return {"first_token_s": round(asked["first_token_s"], 3), "held_before": before, "held_after": after,
+                "idle_context_switches_per_s": round((sw1 - sw0) / idle_s, 2),
+                "idle_cpu_ms_per_s": round((cpu1 - cpu0) * 1000 / idle_s, 2)}
+    finally:
+        d.stop()
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def summarize(rounds: dict[str, list[dict]]) -> dict:
+    out = {}
+    for side, rs in rounds.items():
+        out[side] = {
+            "first_token_s": spread([r["first_token_s"] for r in rs]),
+            "models_rss_before_mib": spread([r["held_before"]["models_rss"] / 2**20 for r in rs]),
+            "models_rss_after_mib": spread([r["held_after"]["models_rss"] / 2**20 for r in rs]),
+            "standbys_rss_mib": spread([r["held_after"]["standbys_rss"] / 2**20 for r in rs]),
+            "idle_context_switches_per_s": spread([r["idle_context_switches_per_s"] for r in rs]),
+        }
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# More models than fit: eviction costs ({res['rounds']} rounds, fresh daemons)", "",
+             f"Machine: {res['machine'].get('cpu', '?')}, {res['machine'].get('cores', '?')} cores.", "",
+             "| standbys | evicted model → first token (s) | models' RSS before → after (MiB) | standbys' RSS (MiB) "
+             "| idle context switches/s |", "|---|---|---|---|---|"]
+    for side, s in res["summary"].items():
+        f = s["first_token_s"]
+        lines.append(f"| {side} | {f['median']} ({f['min']}–{f['max']}) | {s['models_rss_before_mib']['median']:.0f} → "
+                     f"{s['models_rss_after_mib']['median']:.0f} | {s['standbys_rss_mib']['median']:.0f} "
+                     f"| {s['idle_context_switches_per_s']['median']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.budget", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--out", type=Path, help="write <out>.json and <out>.md")
+    p = ap.parse_args(argv)
+    rounds: dict[str, list[dict]] = {"warm": [], "cold": []}
+    for i in range(p.rounds):  # alternating: warm, cold, warm, ...
+        for side in (("warm", "cold") if i % 2 == 0 else ("cold", "warm")):
+            r = one_round(side == "warm", p.idle_s)
+            print(f"round {i + 1} {side}: {json.dumps(r)}", flush=True)
+            rounds[side].append(r)
+    res = {"machine": B.machine(), "rounds": p.rounds, "raw": rounds, "summary": summarize(rounds)}
+    print(markdown(res))
+    if p.out:
+        p.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+        p.out.with_suffix(".md").write_text(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
