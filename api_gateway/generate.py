@@ -22,7 +22,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.errors import HttpError, http_error_body
 from api_gateway.metrics import Metrics
 from api_gateway.sequences import RequestRun
-from api_gateway.sse import SseAnswer, after, client_gone
+from api_gateway.sse import SseAnswer, after, client_gone, gone_response
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
 
@@ -100,7 +100,7 @@ class Generator:
             await sse.resp.write_eof()
         except (ConnectionError, TimeoutError):
             client_gone(request)
-        return sse.resp
+        return gone_response(sse)
 
     def observe(self, request: web.Request, model: str, acc: ResponseAccumulator, started: float) -> None:
         """The access log's token counts and the latency metrics of one finished request."""

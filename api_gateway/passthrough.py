@@ -31,7 +31,7 @@ from aiohttp import web
 
 from api_gateway.bodies import read_body
 from api_gateway.errors import EngineUnavailable, HttpError, unavailable
-from api_gateway.sse import SseAnswer, after, client_gone
+from api_gateway.sse import SseAnswer, after, client_gone, gone_response
 from servectl.wire import engine as EP
 
 MESSAGES_PREFIX = "/v1/messages"
@@ -186,7 +186,7 @@ class ApiEndpoints:
             await sse.resp.write_eof()
         except (ConnectionError, TimeoutError):
             client_gone(request)
-        return sse.resp
+        return gone_response(sse)
 
 
 def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:

@@ -39,6 +39,12 @@ def bounded_writer(resp: web.StreamResponse, timeout_s: float):
     return write
 
 
+def gone_response(sse: "SseAnswer") -> web.StreamResponse:
+    """What a stream's handler returns: its response, or (the client went away before anything
+    was sent) a 499 for the access log, which no one reads."""
+    return sse.resp if sse.resp is not None else web.Response(status=499, reason="Client Closed Request")
+
+
 def client_gone(request: web.Request) -> None:
     """The client went away or read nothing for body_timeout_s: its sequences were aborted; the
     connection is closed, there is no one to answer."""
@@ -102,6 +108,8 @@ class SseAnswer:
     async def next_item(self):
         """The next item (None: there are no more), keep-alive comments written while it is awaited;
         an item's error is raised (before the response opened: a plain error response)."""
+        if self._failed is not None:
+            raise self._failed  # a comment found the client gone
         if self.interval:
             self._reader = asyncio.current_task()
             self._arm()

@@ -4,14 +4,15 @@
 
 Two copies of the bundled model, ``a`` loaded at start and ``b`` on first use, with room for
 one (``max_loaded_models = 1``: the same eviction path as a memory budget). Each round starts
-a fresh daemon, asks ``a`` once and lets it go idle, then streams a request for ``b``: ``a`` is
-evicted (unloaded: no sleep mode on CPU) and ``b`` started. Figures, median and spread of the
-rounds, with warm standbys (the start takes a standby's pre-imported interpreter) and without:
+a fresh daemon, asks ``a``, then ``b`` (``a`` is evicted: unloaded, no sleep mode on CPU), lets
+``b`` go idle, then streams the measured request for ``a``: ``b`` is evicted and ``a`` started
+again. Figures, median and spread of the rounds, with warm standbys (``a``'s, kept through its
+eviction: the start takes their pre-imported interpreters) and without:
 
 - request for the evicted model → first token;
 - host memory held by the models before and after the eviction (engine and workers' RSS; the
   standbys' apart) and the footprints the budget counts;
-- context switches per second of the whole tree, idle afterwards (``b`` frozen, ``a`` evicted):
+- context switches per second of the whole tree, idle afterwards (``a`` frozen, ``b`` evicted):
   an evicted model leaves nothing that wakes.
 """
 
@@ -55,16 +56,19 @@ def one_round(warm: bool, idle_s: float) -> dict:
     d = Pair(Path(tempfile.mkdtemp(prefix="servectl-budget-bench-")), config_text(warm))
     try:
         d.start()
+        d.stream({**PROMPT, "model": "a"})
+        d.stream({**PROMPT, "model": "b"})  # a evicted; b started cold (it never served: no standbys yet)
+        if warm:
+            d.wait_standbys_warm()  # a's kept from its eviction, b's made once it served
+        d.wait(lambda: d.models()["b"]["frozen"], 60, "b idle")
+        before = d.held()
+        asked = d.stream({**PROMPT, "model": "a"})  # the measured eviction: b released, a started
+        m = d.models()
+        assert m["b"]["state"] == "released" and m["a"]["state"] == "ready", {k: v["state"] for k, v in m.items()}
+        after = d.held()
         if warm:
             d.wait_standbys_warm()
-        d.stream({**PROMPT, "model": "a"})
         d.wait(lambda: d.models()["a"]["frozen"], 60, "a idle")
-        before = d.held()
-        asked = d.stream({**PROMPT, "model": "b"})
-        m = d.models()
-        assert m["a"]["state"] == "released" and m["b"]["state"] == "ready", {k: v["state"] for k, v in m.items()}
-        after = d.held()
-        d.wait(lambda: d.models()["b"]["frozen"], 60, "b idle")
         pids = d.pids()
         cpu0, sw0 = B.tree_counters(pids)
         time.sleep(idle_s)  # the measurement window: the tree is idle, nothing should wake

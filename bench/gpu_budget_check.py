@@ -106,7 +106,10 @@ def run_check(d: BudgetDaemon, p: argparse.Namespace, report: dict) -> None:
     else:
         after = device_used_bytes() or 0
         report["device_used_before_after_eviction"] = [before, after]
-        # b loaded meanwhile: a's sleep freed at least half its KV cache more than b took beyond it.
+        # b loaded meanwhile (a KV cache and more): without a's sleep the device would hold both.
+        check(after <= (before or 0) + KV_BYTES_GPU // 2,
+              f"{after / GIB:.2f} GiB in use after the eviction, {(before or 0) / GIB:.2f} before: a's memory "
+              "was not given back")
         check(d.members("a") == pids_a, f"a's processes changed while asleep: {pids_a} -> {d.members('a')}")
     woken = d.ask("a")
     report["evicted_again_to_first_token_s"] = round(woken["first_token_s"] or 0, 2)

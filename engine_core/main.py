@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                       reason)
         report_permanent_failure(control, spec, reason)
         return ExitCode.PERMANENT
-    # What the model holds now it is loaded (the manager's memory budget): measured once.
-    per_worker = engine.collective_rpc(footprint_in_worker)
-    server.footprint = group_footprint(list(per_worker), rss_bytes())
+    try:  # what the model holds now it is loaded (the manager's memory budget): measured once
+        server.footprint = group_footprint(list(engine.collective_rpc(footprint_in_worker)), rss_bytes())
+    except WorkerHung as exc:
+        log.error("engine start failed: %s", exc)
+        return ExitCode.HUNG
     server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,

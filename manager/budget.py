@@ -147,7 +147,9 @@ class Budget:
 
     def set_memory(self, memory: Mapping[str, Amount]) -> None:
         """The configured budgets, in bytes (a fraction of a device whose size is not known is
-        left out, and said at start)."""
+        left out, and said at start); estimates are made again (a device's size may be known now)."""
+        for g in self.groups.values():
+            g.estimate = None
         self.limits = {}
         self.unresolved = []
         for label, amount in memory.items():
@@ -173,9 +175,10 @@ class Budget:
         return [g for g in self.groups.values() if g is not besides and g.state in LOADED]
 
     def holdings(self, group: "EngineGroup") -> list[Holding]:
-        """Models loaded, or admitted and waiting for their devices, other than ``group``."""
+        """Models loaded, or admitted and waiting for their devices, other than ``group`` — and
+        other than those waiting for room (a crashed one among them holds nothing meanwhile)."""
         return [Holding(g.name, self.labels(g), self.footprint(g).bytes, g.state in LEAVING)
-                for g in self.groups.values() if g is not group and
+                for g in self.groups.values() if g is not group and g not in self.waiting and
                 (g.state in LOADED or g.host.start_gate.is_waiting(g))]
 
     def short(self, group: "EngineGroup", holdings: list[Holding] | None = None) -> Short | None:
@@ -231,30 +234,33 @@ class Budget:
         return self.cap is not None or bool(set(self.labels(a)) & set(self.labels(b)) & set(self.limits))
 
     def make_room(self) -> None:
-        """Release the least recently used model (one at a time) for the first model that waits,
-        unless room is on its way (models already releasing or stopping)."""
+        """Release the least recently used model (one at a time) for the first model that waits
+        and is not behind another that competes with it, unless room is on its way for it
+        (models already releasing or stopping)."""
         if not self.waiting or self.releasing is not None or not self.active:
             return
-        group = self.waiting[0]
-        held = self.holdings(group)
-        staying = [h for h in held if not h.leaving]
-        if len(staying) < len(held) and self.short(group, staying) is None:
-            return  # what is on its way out makes the room
-        short = self.short(group, held)
-        if short is None:
-            return
-        residents = [Resident(g.name, g.state, g.cfg.pinned, g.idle_since, g.release_refused, g.freezing)
-                     for g in self.loaded() if g not in self.waiting
-                     and (short.count or set(self.labels(g)) & set(short.labels))]
-        victim = choose_victim(residents)
-        if victim is None:
-            return
-        self.releasing = victim
-        reason = (f"evicted: model {group.name} needs room ({self.describe(group, short)}; "
-                  "the least recently used)")
-        if self.groups[victim].evict(reason):
-            self.last_eviction = Eviction(victim, group.name, reason, time.time())
-        else:
+        for i, group in enumerate(self.waiting):
+            if any(self.competes(w, group) for w in self.waiting[:i]):
+                continue  # its turn comes after theirs
+            held = self.holdings(group)
+            staying = [h for h in held if not h.leaving]
+            if len(staying) < len(held) and self.short(group, staying) is None:
+                continue  # what is on its way out makes the room
+            short = self.short(group, held)
+            if short is None:
+                continue
+            residents = [Resident(g.name, g.state, g.cfg.pinned, g.idle_since, g.release_refused, g.freezing)
+                         for g in self.loaded() if g not in self.waiting
+                         and (short.count or set(self.labels(g)) & set(short.labels))]
+            victim = choose_victim(residents)
+            if victim is None:
+                continue
+            self.releasing = victim
+            reason = (f"evicted: model {group.name} needs room ({self.describe(group, short)}; "
+                      "the least recently used)")
+            if self.groups[victim].evict(reason):
+                self.last_eviction = Eviction(victim, group.name, reason, time.time())
+                return
             self.releasing = None
 
     def forget(self, group: "EngineGroup") -> None:

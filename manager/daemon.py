@@ -379,7 +379,7 @@ class Manager:
             self.budget.totals = device_totals(self.start_gate.accelerator)
         self.budget.set_memory(C.memory_budget(plan.manager))
         for group in self.groups.values():  # a model too large for the old budget may fit the new
-            if group.unfit is not None and group.state is GroupState.RELEASED:
+            if group.unfit is not None:
                 group.refuse_if_unfit()
         self.budget.retry()  # a raised (or removed) cap or budget lets waiting models start
         self.configured = {m.name: m for m in new.models}

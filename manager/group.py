@@ -28,8 +28,8 @@ from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from manager.worker_cpus import worker_envs as cpu_worker_envs
-from servectl.memory import has_accelerator
 from servectl import config as C
+from servectl.memory import has_accelerator
 from servectl.tasks import Tasks
 from servectl.wire import control as P
 from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
@@ -67,8 +67,9 @@ TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     S.ASLEEP: frozenset({S.STARTING, S.STOPPING, S.EXITED}),  # → starting: woken (the same engine)
     # → released: a member of a releasing or sleeping group died; it comes back released, not awake.
     S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING, S.RELEASED}),
-    S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
-    S.FAILED: frozenset({S.STARTING, S.STOPPING}),
+    # → released: it no longer fits its memory budget (refuse_if_unfit).
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPING, S.RELEASED}),
+    S.FAILED: frozenset({S.STARTING, S.STOPPING, S.RELEASED}),
     S.REMOVED: frozenset(),
 }
 # What the members' own states become when the group enters a state (None: leave them).
@@ -293,11 +294,18 @@ class EngineGroup:
         self.unfit = unfit
         if unfit is None:
             if changed:
+                if self.state in IDLE_RELEASED:
+                    self.reason = None  # (it said why it did not fit)
                 self.host.on_group_change(self)  # the gateways hold its requests again
             return False
         if changed:
             log.warning("%s", unfit)
-        if not self._swap({S.STOPPED}, S.RELEASED, unfit) and (changed or self.reason != unfit):
+        self.host.budget.forget(self)  # it waits for no room: none will do
+        self.host.start_gate.forget(self)
+        if self.restart_timer is not None:
+            self.restart_timer.cancel()
+            self.restart_timer = None
+        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED}, S.RELEASED, unfit) and (changed or self.reason != unfit):
             self.reason = unfit
             self.host.on_group_change(self)
         return True
@@ -315,6 +323,9 @@ class EngineGroup:
         self.device_memory_bytes = msg.device_memory_bytes
         if msg.footprint_bytes is not None:
             self.footprint_bytes, self.footprint_source = msg.footprint_bytes, msg.footprint_source
+            beyond = self.host.budget.unfit(self)
+            if beyond is not None:
+                log.warning("%s; it serves now, but once released it is not loaded again", beyond)
         if msg.loras is not None:
             dropped = {lora.name for lora in self.loras} - {lora.name for lora in msg.loras}
             if dropped:

@@ -98,6 +98,7 @@ def parse_amount(value: int | float | str) -> Amount:
 
 
 LABEL = re.compile(r"^(cpu|\d+)\Z")
+MIN_BUDGET = 2**20  # below it a budget is a mistake (`1` meant the whole device)
 
 
 def check_budget(budget: Mapping[str, int | float | str]) -> dict[str, Amount]:
@@ -111,6 +112,10 @@ def check_budget(budget: Mapping[str, int | float | str]) -> dict[str, Amount]:
             out[label] = parse_amount(value)
         except ValueError as exc:
             raise ValueError(f"memory_budget.{label}: {exc}") from None
+        if out[label].bytes is not None and out[label].bytes < MIN_BUDGET:
+            raise ValueError(f"memory_budget.{label}: {value!r} is {out[label].bytes} bytes, too small for any "
+                             "model: a fraction of the device is written with a point (1.0, 0.8), a size with "
+                             "a unit (\"24GiB\")")
     return out
 
 
@@ -176,6 +181,8 @@ def estimate(model: "C.ModelConfig", accelerator: bool, device_total: int | None
         kv = int((gib or VLLM_CPU_KVCACHE_GIB) * 2**30)
     if checkpoint is None:
         return Estimate(None, "checkpoint not on disk")
+    if not accelerator:  # every rank in host memory: the whole checkpoint, a KV cache per rank
+        return Estimate(checkpoint + tp * int(kv), "checkpoint + KV cache")
     return Estimate(checkpoint // tp + int(kv), "checkpoint + KV cache")
 
 
@@ -185,9 +192,14 @@ def model_estimate(model: "C.ModelConfig", labels: tuple[str, ...], accelerator:
     if model.expected_memory is not None:
         return estimate(model, accelerator, None, None)
     total = totals.get(labels[0]) if labels else None
+    if accelerator and not model.engine_args.get("kv_cache_memory_bytes"):
+        return estimate(model, accelerator, total, None)  # vLLM's share of the device: no checkpoint needed
     from servectl.config import ENGINE_OFFLINE_ENV
 
-    checkpoint = checkpoint_bytes(model.model, {**os.environ, **ENGINE_OFFLINE_ENV, **model.env})
+    try:
+        checkpoint = checkpoint_bytes(model.model, {**os.environ, **ENGINE_OFFLINE_ENV, **model.env})
+    except OSError:
+        checkpoint = None  # unreadable here: not estimated
     return estimate(model, accelerator, total, checkpoint)
 
 

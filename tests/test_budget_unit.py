@@ -332,3 +332,67 @@ def test_a_failed_comment_ends_the_wait_with_the_write_error():
         assert asyncio.current_task().cancelling() == 0  # the reader's cancel was taken back
 
     asyncio.run(scenario())
+
+
+def test_a_failure_after_a_keep_alive_is_the_streams_error_event():
+    """Generator.stream: the hold fails (its timeout, a failed load) once a comment opened the
+    response: an SSE error event in OpenAI's shape, then [DONE] — not a second status line."""
+    import json
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from api_gateway.errors import EngineUnavailable, unavailable
+    from api_gateway.generate import Generator
+
+    async def scenario() -> None:
+        async def hold() -> None:
+            await asyncio.sleep(0.3)
+            raise unavailable(EngineUnavailable("model 'x' is not available (starting) after waiting 0.3s"))
+
+        async def deltas():
+            raise AssertionError("the engine is never asked")
+            yield  # noqa: unreachable: an async generator
+
+        run = SimpleNamespace(deltas=deltas, whole_answer=True)
+        cfg = C.GatewayConfig(sse_keep_alive_interval=0.05)
+        generator = Generator(cfg, None, lambda: "id", lambda link: None)
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            request["request_id"] = "r"
+            request["log"] = {}
+            req = SimpleNamespace(stream_options=None, model="x")
+            return await generator.stream(request, req, run, None, hold)
+
+        app = web.Application()
+        app.router.add_post("/", handler)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/")
+            body = await resp.text()
+        assert resp.status == 200 and body.startswith(": keep-alive\n\n")
+        events = [line for line in body.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) == 2
+        error = json.loads(events[0][6:])["error"]
+        assert "after waiting 0.3s" in error["message"] and error["code"] == "engine_unavailable"
+        assert run.whole_answer, "a comment is not part of the answer"
+
+    asyncio.run(scenario())
+
+
+def test_two_crashed_models_over_the_budget_do_not_wait_for_each_other():
+    """Both in backoff, together beyond the budget: the first to ask starts (the other, waiting
+    for room, holds nothing meanwhile); the second waits for room behind it."""
+    async def scenario() -> None:
+        gate = StartGate(accelerator=True)
+        a = Group("a", S.BACKOFF, gate, "0", 6 * GiB)
+        b = Group("b", S.BACKOFF, gate, "0", 6 * GiB)
+        budget = budget_of([a, b], {"0": "10GiB"})
+        for g in (a, b):  # as EngineGroup.start: starting once admitted
+            g.start = lambda g=g: budget.admit(g) is None and setattr(g, "state", S.STARTING)
+        assert budget.admit(a) is not None  # b (backoff) still holds its room: a waits
+        assert budget.admit(b) is not None  # behind a
+        budget.retry()
+        assert a.state is S.STARTING and budget.waiting == [b]
+
+    asyncio.run(scenario())

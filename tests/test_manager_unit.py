@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -105,8 +106,8 @@ def test_transition_table_is_closed_and_every_state_can_be_left():
     for state, targets in TRANSITIONS.items():
         assert targets or state is S.REMOVED, state
         assert targets <= set(GroupState)
-    # The one way out of failed, stopped and backoff is a (re)start or a stop.
-    assert TRANSITIONS[S.FAILED] == {S.STARTING, S.STOPPING}
+    # The ways out of failed and backoff: a (re)start, a stop, or released as too large for the budget.
+    assert TRANSITIONS[S.FAILED] == TRANSITIONS[S.BACKOFF] == {S.STARTING, S.STOPPING, S.RELEASED}
     assert TRANSITIONS[S.REMOVED] == frozenset()  # terminal
     # A stop ends stopped, or released when it is an idle model's unload.
     assert TRANSITIONS[S.STOPPING] == {S.STOPPED, S.RELEASED}
@@ -352,3 +353,23 @@ def test_a_removed_group_publishes_removed_and_can_never_start_again(tmp_path):
         group._enter(S.STARTING)
     group.start()  # refused quietly: only stopped, backoff or failed groups start
     assert group.state is S.REMOVED
+
+
+def test_a_model_too_large_for_its_budget_goes_released_from_any_down_state(tmp_path):
+    """A crashed (backoff) or failed model that no longer fits its budget alone is released with
+    the reason, its restart cancelled and nothing left queued; raised again, it is held again."""
+    from servectl.memory import check_budget, estimate
+
+    for state in (GroupState.STOPPED, GroupState.BACKOFF, GroupState.FAILED):
+        group, host = group_in(tmp_path, state)
+        group.cfg.expected_memory = "4GiB"
+        host.budget = Budget(None, {"m": group}, labels=host.start_gate.labels, memory=check_budget({"cpu": "2GiB"}),
+                             estimate=lambda g: estimate(g.cfg, False, None, None))
+        fired: list[bool] = []
+        group.restart_timer = SimpleNamespace(cancel=lambda: fired.append(True))
+        group.start()
+        assert group.state is GroupState.RELEASED and "does not fit the memory budget even alone" in group.reason
+        assert group.unfit and group.restart_timer is None and fired == [True]
+        assert group not in host.budget.waiting
+        host.budget.set_memory(check_budget({"cpu": "8GiB"}))
+        assert group.refuse_if_unfit() is False and group.unfit is None and group.reason is None
