@@ -128,6 +128,13 @@ PINS = [
         "engine_core/serving_apis.py ApiRequest.replay makes the client's deltas RequestOutputs again"),
     Pin("SimpleContext.append_output", "vllm.entrypoints.openai.responses.context:SimpleContext.append_output",
         "engine_core/serving_apis.py ApiRequest.deltas rewrites a continued request's prompt ids for it"),
+    # engine_core/footprint.py vllm_device_figure reads what vLLM's GPU worker measured at load.
+    *(Pin(f"Worker.{attr}", "vllm.v1.worker.gpu_worker:Worker.determine_available_memory",
+          "engine_core/footprint.py vllm_device_figure: a GPU model's measured footprint", attr=attr)
+      for attr in ("total_consumed", "peak_activation_memory", "available_kv_cache_memory_bytes")),
+    Pin("GPUModelRunner.model_memory_usage", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
+        "engine_core/footprint.py vllm_device_figure: the weights, when kv_cache_memory_bytes skips profiling",
+        attr="model_memory_usage"),
 ]
 
 
