@@ -38,9 +38,9 @@ from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from servectl import config as C
-from servectl.memory import device_totals, has_accelerator, model_estimate
+from servectl.memory import device_totals, has_accelerator
 from servectl.messages import bind_failure
-from servectl.model_check import check_model_paths
+from servectl.model_check import check_model_paths, model_estimate
 from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
 from servectl.tasks import Tasks
 from servectl.proc import (PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of, process_env,

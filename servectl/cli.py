@@ -23,9 +23,8 @@ from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import (MAX_REPLY_BYTES, ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager,
                              wait_settled)
-from servectl.memory import budget_warnings
 from servectl.messages import last_error, one_line, without_tracebacks
-from servectl.model_check import check_model_paths
+from servectl.model_check import budget_warnings, check_model_paths
 from servectl.paths import UntrustedDirectory, prepare_dirs, resolve_runtime_dir, verify_dir
 from servectl.status_view import budget_table, fmt_age, models_table, proc_usage
 from servectl.wire.vocab import ChildState, EventKind, ExitCode, ModelState

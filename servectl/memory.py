@@ -1,4 +1,4 @@
-"""Memory sizes, a device's memory budget and a model's footprint before its first load.
+"""Memory sizes, a device's memory budget and the rule for a model's footprint before its first load.
 
 A budget (``[manager] memory_budget``) is set per device label (``device_labels``: a
 GPU index, or ``cpu`` for host memory on a machine without an accelerator) in bytes, a size
@@ -6,9 +6,9 @@ with a unit ("24GiB", "512MB") or a fraction of the device's memory (0.8). A mod
 on each of its devices is what its engine measured at its last load (manager/budget.py); before
 that, ``estimate`` says it: ``expected_memory`` if configured, else what vLLM will take — on a
 GPU the ``gpu_memory_utilization`` share of the device unless ``kv_cache_memory_bytes`` sizes
-the KV cache, on CPU the checkpoint plus the KV cache it is given.
+the KV cache, on CPU the checkpoint (its size read by model_check.py) plus the KV cache it is given.
 
-Pure but for reading a checkpoint's file sizes and the host's memory total; imports no vLLM.
+Pure but for the devices' memory totals; imports no vLLM.
 """
 
 from __future__ import annotations
@@ -134,31 +134,6 @@ class Estimate(NamedTuple):
     source: str  # how it was estimated, said beside the figure
 
 
-def checkpoint_bytes(model: str, env: Mapping[str, str]) -> int | None:
-    """The size of a model's weight files: a local directory, a GGUF file, or a hub id's snapshot
-    in the local cache; None where it is not on disk."""
-    path = Path(model)
-    if path.is_file():
-        return path.stat().st_size
-    if not path.is_dir():
-        from servectl.model_check import hf_hub_cache
-
-        snapshots = hf_hub_cache(env) / f"models--{model.replace('/', '--')}" / "snapshots"
-        found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
-        if not found:
-            return None
-        path = found[-1]
-    # Only one format is loaded where a checkpoint ships several (safetensors first, as vLLM).
-    by_suffix: dict[str, int] = {}
-    for f in path.rglob("*"):
-        if f.suffix in WEIGHT_SUFFIXES and f.is_file():
-            by_suffix[f.suffix] = by_suffix.get(f.suffix, 0) + f.stat().st_size  # follows the cache's links
-    for suffix in WEIGHT_SUFFIXES:
-        if by_suffix.get(suffix):
-            return by_suffix[suffix]
-    return None
-
-
 def estimate(model: "C.ModelConfig", accelerator: bool, device_total: int | None,
              checkpoint: int | None) -> Estimate:
     """A model's footprint per device before its engine measured one. Pure."""
@@ -184,23 +159,6 @@ def estimate(model: "C.ModelConfig", accelerator: bool, device_total: int | None
     if not accelerator:  # every rank in host memory: the whole checkpoint, a KV cache per rank
         return Estimate(checkpoint + tp * int(kv), "checkpoint + KV cache")
     return Estimate(checkpoint // tp + int(kv), "checkpoint + KV cache")
-
-
-def model_estimate(model: "C.ModelConfig", labels: tuple[str, ...], accelerator: bool,
-                   totals: Mapping[str, int]) -> Estimate:
-    """``estimate`` for a configured model, its checkpoint read from disk only when needed."""
-    if model.expected_memory is not None:
-        return estimate(model, accelerator, None, None)
-    total = totals.get(labels[0]) if labels else None
-    if accelerator and not model.engine_args.get("kv_cache_memory_bytes"):
-        return estimate(model, accelerator, total, None)  # vLLM's share of the device: no checkpoint needed
-    from servectl.config import ENGINE_OFFLINE_ENV
-
-    try:
-        checkpoint = checkpoint_bytes(model.model, {**os.environ, **ENGINE_OFFLINE_ENV, **model.env})
-    except OSError:
-        checkpoint = None  # unreadable here: not estimated
-    return estimate(model, accelerator, total, checkpoint)
 
 
 def host_memory_total() -> int | None:
@@ -238,26 +196,3 @@ def device_totals(accelerator: bool) -> dict[str, int]:
     total = host_memory_total()
     return {} if total is None else {"cpu": total}
 
-
-def budget_warnings(cfg: "C.Config", accelerator: bool | None = None) -> list[str]:
-    """`servectl config check`'s warnings: a model whose footprint (configured or estimated) is
-    beyond its device's memory budget on its own is never loaded (its requests are a 503)."""
-    from servectl.config import memory_budget
-
-    budget = memory_budget(cfg.manager)
-    if not budget:
-        return []
-    accelerator = has_accelerator() if accelerator is None else accelerator
-    totals = device_totals(accelerator)
-    out = [f"memory_budget.{label} is a fraction of device {label}, whose memory is not known here: it is not "
-           "applied (give it in bytes)" for label, amount in budget.items() if amount.resolve(totals.get(label)) is None]
-    for m in cfg.models:
-        labels = device_labels(m, accelerator)
-        est = model_estimate(m, labels, accelerator, totals)
-        for label in labels:
-            limit = budget[label].resolve(totals.get(label)) if label in budget else None
-            if limit is not None and est.bytes is not None and est.bytes > limit:
-                out.append(f"model {m.name}: needs {fmt_size(est.bytes)} on device {label} ({est.source}), more than "
-                           f"its memory_budget of {fmt_size(limit)}: it will not be loaded (requests for it are a 503); "
-                           "raise the budget, or set the model's expected_memory if the estimate is wrong")
-    return out

@@ -2,7 +2,9 @@
 hub id (a local directory with a model config, a GGUF file, or a hub id in the local cache
 while engines run offline). Configuration itself (schema, lookup, defaults) is config.py;
 whether vLLM accepts a model's engine arguments is asked of a short-lived engine process
-by the CLI (``servectl config check``).
+by the CLI (``servectl config check``). Also what a model will hold before its engine has
+measured it (its checkpoint on disk, ``model_estimate``) and the budget warnings of
+``servectl config check``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from servectl.config import ENGINE_OFFLINE_ENV, Config, LoraModule, Overrides
+from servectl.config import ENGINE_OFFLINE_ENV, Config, LoraModule, ModelConfig, Overrides, memory_budget
+from servectl.memory import (WEIGHT_SUFFIXES, Estimate, device_labels, device_totals, estimate, fmt_size,
+                             has_accelerator)
 
 # A model's weights may be a single GGUF file instead of a directory.
 MODEL_FILE_SUFFIXES = (".gguf",)
@@ -95,3 +99,65 @@ def adapter_path_problem(path: str) -> str | None:
     if not (p / "adapter_config.json").is_file():
         return f"{path} holds no adapter_config.json (not a LoRA adapter directory)"
     return None
+
+
+# ---- a model's footprint before its first load (the memory budget) ---------------------------------
+
+def checkpoint_bytes(model: str, env: Mapping[str, str]) -> int | None:
+    """The size of a model's weight files: a local directory, a GGUF file, or a hub id's snapshot
+    in the local cache; None where it is not on disk."""
+    path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        snapshots = hf_hub_cache(env) / f"models--{model.replace('/', '--')}" / "snapshots"
+        found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+        if not found:
+            return None
+        path = found[-1]
+    # Only one format is loaded where a checkpoint ships several (safetensors first, as vLLM).
+    by_suffix: dict[str, int] = {}
+    for f in path.rglob("*"):
+        if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+            by_suffix[f.suffix] = by_suffix.get(f.suffix, 0) + f.stat().st_size  # follows the cache's links
+    for suffix in WEIGHT_SUFFIXES:
+        if by_suffix.get(suffix):
+            return by_suffix[suffix]
+    return None
+
+
+def model_estimate(model: ModelConfig, labels: tuple[str, ...], accelerator: bool,
+                   totals: Mapping[str, int]) -> Estimate:
+    """``estimate`` for a configured model, its checkpoint read from disk only when needed."""
+    if model.expected_memory is not None:
+        return estimate(model, accelerator, None, None)
+    total = totals.get(labels[0]) if labels else None
+    if accelerator and not model.engine_args.get("kv_cache_memory_bytes"):
+        return estimate(model, accelerator, total, None)  # vLLM's share of the device: no checkpoint needed
+    try:
+        checkpoint = checkpoint_bytes(model.model, {**os.environ, **ENGINE_OFFLINE_ENV, **model.env})
+    except OSError:
+        checkpoint = None  # unreadable here: not estimated
+    return estimate(model, accelerator, total, checkpoint)
+
+
+def budget_warnings(cfg: Config, accelerator: bool | None = None) -> list[str]:
+    """`servectl config check`'s warnings: a model whose footprint (configured or estimated) is
+    beyond its device's memory budget on its own is never loaded (its requests are a 503)."""
+    budget = memory_budget(cfg.manager)
+    if not budget:
+        return []
+    accelerator = has_accelerator() if accelerator is None else accelerator
+    totals = device_totals(accelerator)
+    out = [f"memory_budget.{label} is a fraction of device {label}, whose memory is not known here: it is not "
+           "applied (give it in bytes)" for label, amount in budget.items() if amount.resolve(totals.get(label)) is None]
+    for m in cfg.models:
+        labels = device_labels(m, accelerator)
+        est = model_estimate(m, labels, accelerator, totals)
+        for label in labels:
+            limit = budget[label].resolve(totals.get(label)) if label in budget else None
+            if limit is not None and est.bytes is not None and est.bytes > limit:
+                out.append(f"model {m.name}: needs {fmt_size(est.bytes)} on device {label} ({est.source}), more than "
+                           f"its memory_budget of {fmt_size(limit)}: it will not be loaded (requests for it are a 503); "
+                           "raise the budget, or set the model's expected_memory if the estimate is wrong")
+    return out

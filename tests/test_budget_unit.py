@@ -12,7 +12,8 @@ from engine_core.footprint import group_footprint, vllm_device_figure
 from manager.budget import Budget, Holding, shortfall, too_large
 from manager.start_gate import StartGate
 from servectl import config as C
-from servectl.memory import Amount, check_budget, checkpoint_bytes, estimate, parse_amount, parse_size
+from servectl.memory import Amount, check_budget, estimate, parse_amount, parse_size
+from servectl.model_check import checkpoint_bytes
 from servectl.wire.vocab import ModelState as S
 
 pytestmark = pytest.mark.unit
