@@ -88,7 +88,17 @@ class Amount(NamedTuple):
 
 
 def parse_amount(value: int | float | str) -> Amount:
-    """A budget's value: a fraction (0 < x <= 1) of the device's memory, or a size. Pure."""
+    """A budget's value: a fraction (0 < x <= 1) of the device's memory (0.8, "0.8", "80%"), or a
+    size. Pure."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            try:
+                value = float(text[:-1]) / 100
+            except ValueError:
+                raise ValueError(f"{value!r} is not a percentage of the device's memory") from None
+        elif re.fullmatch(r"\d*\.\d+", text):
+            value = float(text)
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise ValueError(f"{value} is not a fraction of the device's memory (0 < x <= 1); a size is a whole "

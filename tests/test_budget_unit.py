@@ -35,11 +35,11 @@ def test_bad_sizes(value):
 
 
 def test_a_budget_is_bytes_or_a_fraction():
-    assert parse_amount(0.8) == Amount(None, 0.8)
+    assert parse_amount(0.8) == parse_amount("0.8") == parse_amount("80%") == Amount(None, 0.8)
     assert parse_amount("8GiB") == Amount(8 * GiB, None)
     assert Amount(None, 0.5).resolve(10 * GiB) == 5 * GiB
     assert Amount(None, 0.5).resolve(None) is None
-    for bad in (1.5, 0.0, -0.1):
+    for bad in (1.5, 0.0, -0.1, "150%"):
         with pytest.raises(ValueError, match="fraction"):
             parse_amount(bad)
 
