@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from servectl.memory import Amount, Estimate, fmt_size
+from servectl.wire import control as P
 from servectl.wire.vocab import ModelState
 
 if TYPE_CHECKING:
@@ -262,6 +263,19 @@ class Budget:
                 self.last_eviction = Eviction(victim, group.name, reason, time.time())
                 return
             self.releasing = None
+
+    def status(self) -> P.BudgetStatus:
+        """Each device's budget and what the loaded models hold there; the last eviction."""
+        loaded = self.loaded()
+        held = [(self.labels(g), self.footprint(g).bytes or 0, g.name) for g in loaded]
+        labels = sorted({label for ls, _, _ in held for label in ls} | set(self.limits))
+        last = self.last_eviction
+        return P.BudgetStatus(
+            max_loaded_models=self.cap, loaded=len(loaded),
+            devices=[P.DeviceBudget(label=label, budget_bytes=self.limits.get(label), total_bytes=self.totals.get(label),
+                                    used_bytes=sum(n for ls, n, _ in held if label in ls),
+                                    models=[name for ls, _, name in held if label in ls]) for label in labels],
+            last_eviction=None if last is None else P.LastEviction(**last._asdict()))
 
     def forget(self, group: "EngineGroup") -> None:
         if group in self.waiting:

@@ -249,7 +249,7 @@ class Manager:
                 last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
                 exit_code=c.exit_code, exit_signal=c.exit_signal)
                 for c in children],
-            models=[self.model_status(g) for g in self.groups.values()], budget=self.budget_status(),
+            models=[self.model_status(g) for g in self.groups.values()], budget=self.budget.status(),
             unloaded=[name for name in self.configured if name not in self.groups])
 
     def model_status(self, g: EngineGroup) -> P.ModelStatus:
@@ -266,22 +266,6 @@ class Manager:
             footprint_bytes=fp.bytes, footprint_measured=fp.measured, footprint_source=fp.source,
             device_labels=list(self.start_gate.labels(g)), unfit=g.unfit,
             standby_memory_bytes=sum(rss_bytes(c.pid) for c in self.standbys.of_model(g.name) if c.alive))
-
-    def budget_status(self) -> P.BudgetStatus:
-        """Each device's budget and what the loaded models hold there; the last eviction."""
-        b = self.budget
-        loaded = b.loaded()
-        holdings = [(self.start_gate.labels(g), b.footprint(g).bytes or 0, g.name) for g in loaded]
-        labels = sorted({label for ls, _, _ in holdings for label in ls} | set(b.limits))
-        last = b.last_eviction
-        return P.BudgetStatus(
-            max_loaded_models=b.cap, loaded=len(loaded),
-            devices=[P.DeviceBudget(label=label, budget_bytes=b.limits.get(label),
-                                    total_bytes=b.totals.get(label),
-                                    used_bytes=sum(n for ls, n, _ in holdings if label in ls),
-                                    models=[name for ls, _, name in holdings if label in ls]) for label in labels],
-            last_eviction=None if last is None else P.LastEviction(model=last.model, needed_by=last.needed_by,
-                                                                   reason=last.reason, at=last.at))
 
     # ---- changing what is served ---------------------------------------------------------
     def name_taken_by_adapter(self, models: list[C.ModelConfig]) -> str | None:

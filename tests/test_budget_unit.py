@@ -397,3 +397,18 @@ def test_two_crashed_models_over_the_budget_do_not_wait_for_each_other():
         assert a.state is S.STARTING and budget.waiting == [b]
 
     asyncio.run(scenario())
+
+
+def test_the_budgets_status_names_each_device_its_models_and_the_last_eviction():
+    async def scenario() -> None:
+        gate = StartGate(accelerator=True)
+        a = Group("a", S.READY, gate, "0", 6 * GiB, idle_since=1.0)
+        d = Group("d", S.RELEASED, gate, "0", None, expected=6 * GiB)
+        budget = budget_of([a, d], {"0": "10GiB", "1": "10GiB"}, cap=3)
+        budget.admit(d)
+        st = budget.status()
+        assert st.max_loaded_models == 3 and st.loaded == 1  # a releasing still holds its memory
+        assert [(x.label, x.used_bytes, x.models) for x in st.devices] == [("0", 6 * GiB, ["a"]), ("1", 0, [])]
+        assert st.last_eviction.model == "a" and st.last_eviction.needed_by == "d"
+
+    asyncio.run(scenario())
