@@ -24,6 +24,7 @@ from api_gateway.errors import HttpError
 from api_gateway.http_policy import is_json_content_type
 from api_gateway.keys import Access, RefusalBudget, bearer_token, fingerprint
 from servectl.wire import control as MP
+from servectl.wire.spawn import model_of
 
 if TYPE_CHECKING:
     from api_gateway.app import Gateway
@@ -150,7 +151,7 @@ class AdminRoutes:
         return None if link is None else await link.stats()
 
     def model_entry(self, m: MP.ModelStatus, stats) -> dict:
-        link = self.gw.links.get(m.name)
+        served = self.gw.served.get(model_of(m.name))  # its model's queue (a replica's is its model's)
         last_used = stats.last_worked_at if stats is not None and stats.last_worked_at is not None else m.idle_since
         state = msgspec.to_builtins(m)["state"]  # the wire's word for it
         return {
@@ -160,7 +161,7 @@ class AdminRoutes:
             # The engine's own count (every gateway's requests); None while no engine answers.
             "requests_running": stats.unfinished if stats is not None else None,
             # Held in this gateway for the model's readiness or beyond what its engine runs.
-            "requests_waiting": link.queued() if link is not None else 0,
+            "requests_waiting": served.queued() if served is not None else 0,
             "restarts": m.restarts, "frozen": m.frozen, "incarnation": m.incarnation,
             "release_after_s": m.release_after_s, "release_mode": m.release_mode or None,
             "step_deadline_s": m.step_deadline_s,

@@ -28,7 +28,6 @@ from aiohttp import web
 
 from api_gateway import openai_types as H
 from api_gateway.admin import LORA_PATHS, AdminRoutes
-from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
                                 refused_by_engine, unavailable)
 from api_gateway.bodies import read_body
@@ -40,13 +39,14 @@ from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, ApiEndpoints, anthropic_error_body, check_kind
+from api_gateway.served import ServedModel, prefix_key
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
 from servectl.wire import control as MP
 from servectl.wire import engine as EP
 from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity, read_spec_fd
-from servectl.wire.vocab import ExitCode, ModelState
+from servectl.wire.vocab import DEGRADED, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
@@ -79,7 +79,8 @@ class Gateway:
         self.manager = ManagerLink(self.paths, self.identity, self.ctx, list(spec.models), self.metrics,
                                    count_restarts=spec.index == 0, send_timeout_s=self.cfg.output_timeout_s)
         # The same dict as the manager link's: it adds and drops models as the manager says.
-        self.links = self.manager.links
+        self.links = self.manager.links  # by engine group
+        self.served = self.manager.models  # by the name requests use
         self.generator = Generator(self.cfg, self.metrics, self.new_request_id,
                                    lambda link: self.manager.report_hang(link))
         self.ids = itertools.count(1)
@@ -201,57 +202,57 @@ class Gateway:
         """The model a request names; without a name, the one served model (as `vllm serve`)."""
         if model is not None:
             return model
-        if len(self.links) == 1:
-            return next(iter(self.links))
-        raise HttpError(400, f"name the model: several are served ({', '.join(sorted(self.links))})",
+        if len(self.served) == 1:
+            return next(iter(self.served))
+        raise HttpError(400, f"name the model: several are served ({', '.join(sorted(self.served))})",
                         param="model")
 
-    def link_for(self, model: str) -> EngineLink:
-        """The engine of the model a request names: the model's own, or, for a LoRA adapter, its
-        model's (the request keeps the adapter's name: the engine applies the adapter)."""
-        link = self.links.get(model) or self.adapter_link(model)
-        if link is None:
-            raise HttpError(404, f"model {model!r} not found; served: {', '.join(sorted(self.links))}",
+    def link_for(self, model: str) -> ServedModel:
+        """The model a request names: that model, or, for a LoRA adapter, its model (the request
+        keeps the adapter's name: the engine applies the adapter)."""
+        served = self.served.get(model) or self.adapter_link(model)
+        if served is None:
+            raise HttpError(404, f"model {model!r} not found; served: {', '.join(sorted(self.served))}",
                             param="model", code="model_not_found")
-        return link
+        return served
 
-    def adapter_link(self, name: str) -> EngineLink | None:
-        return next((link for link in self.links.values() if any(lora.name == name for lora in link.loras)), None)
+    def adapter_link(self, name: str) -> ServedModel | None:
+        return next((m for m in self.served.values() if any(lora.name == name for lora in m.loras)), None)
 
     # ---- handlers --------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         wanted = request.query.get("model")
-        links = self.links
+        links = self.served
         if wanted is not None:
             if wanted not in links:
                 raise HttpError(404, f"model {wanted!r} not found; served: {', '.join(sorted(links))}", param="model")
             links = {wanted: links[wanted]}
         states = {name: link.status for name, link in links.items()}
-        ok = all(s in MP.AVAILABLE for s in states.values()) and not self.draining
+        ok = all(s in MP.AVAILABLE or s == DEGRADED for s in states.values()) and not self.draining
         body = {"status": "ok" if ok else ("draining" if self.draining else "unavailable"), "models": {
             name: {"state": s, **({"reason": links[name].reason} if links[name].reason and s is not ModelState.READY else {})}
             for name, s in states.items()}}
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        cards = [self.card(name) for name in sorted(self.links)]
-        cards += [self.adapter_card(link, lora) for name in sorted(self.links) for link in [self.links[name]]
+        cards = [self.card(name) for name in sorted(self.served)]
+        cards += [self.adapter_card(link, lora) for name in sorted(self.served) for link in [self.served[name]]
                   for lora in link.loras]
         return web.Response(body=H.encoder.encode(H.ModelList(data=cards)), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         link = self.link_for(name)
-        card = self.card(name) if name in self.links else \
+        card = self.card(name) if name in self.served else \
             self.adapter_card(link, next(lora for lora in link.loras if lora.name == name))
         return web.Response(body=H.encoder.encode(card), content_type="application/json")
 
     def card(self, name: str) -> H.ModelCard:
-        link = self.links[name]
+        link = self.served[name]
         return H.ModelCard(id=name, created=self.created, max_model_len=link.max_model_len, state=link.status,
                            tasks=link.supported_tasks or None)
 
-    def adapter_card(self, link: EngineLink, lora) -> H.ModelCard:
+    def adapter_card(self, link: ServedModel, lora) -> H.ModelCard:
         """A LoRA adapter as vLLM lists it (root: its path; parent: its base model), in its model's state."""
         return H.ModelCard(id=lora.name, created=self.created, root=lora.path,
                            parent=lora.base_model_name or link.model, max_model_len=link.max_model_len,
@@ -262,8 +263,9 @@ class Gateway:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         engines = []
-        for name, link in self.links.items():
-            self.metrics.waiting.labels(model=name).set(link.queued())
+        for name, served in self.served.items():
+            self.metrics.waiting.labels(model=name).set(served.queued())
+        for name, link in self.links.items():  # each engine group: a model's, or each of its replicas
             stats = await link.stats()
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)
@@ -312,7 +314,8 @@ class Gateway:
         header = request.headers.get("X-Request-Id")
         base = header if header and header == request["request_id"] else req.request_id or self.new_request_id()
         gens = generate_messages(forward, prompts, self.new_request_id)
-        run = self.generator.run(link, gens, n)  # a request the engine cannot take is a 400 here
+        # (a request the engine cannot take is a 400 here)
+        run = self.generator.run(link, gens, n, prefix_key(forward))
         with self.admitted(link, seqs):
             hold = functools.partial(self.hold, link, seqs, req.model, request.path)
             if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
@@ -320,7 +323,7 @@ class Gateway:
             await hold()
             return await self.generator.respond(request, req, run, chat, base)
 
-    async def hold(self, link: EngineLink, seqs: int, model: str, path: str) -> None:
+    async def hold(self, link: ServedModel, seqs: int, model: str, path: str) -> None:
         """Until the model's engine is ready to take the request (held while it loads), then
         whether the model does what the route asks; a 503 or a 400 (HttpError) otherwise."""
         try:
@@ -329,7 +332,7 @@ class Gateway:
             raise unavailable(exc) from None
         check_kind(model, link.supported_tasks, path)
 
-    def check_room(self, link: EngineLink, seqs: int) -> None:
+    def check_room(self, link: ServedModel, seqs: int) -> None:
         """Per gateway process: sequences beyond what the engine runs at once are capped. A
         request alone in the queue is always admitted (it fits the per-request cap)."""
         if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
@@ -338,7 +341,7 @@ class Gateway:
                             code="too_many_waiting", headers={"Retry-After": "1"})
 
     @contextlib.contextmanager
-    def admitted(self, link: EngineLink, seqs: int):
+    def admitted(self, link: ServedModel, seqs: int):
         """Admitted work: counted for the model (its queue cap) and for the drain."""
         self.in_flight += 1
         link.admitted += seqs
@@ -379,7 +382,10 @@ class Gateway:
         try:
             with self.admitted(link, 1):
                 await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), 1)
-                answer = await link.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind,
+                engine = link.pick()
+                if engine is None:
+                    raise EngineUnavailable(f"model {model!r} is restarting")
+                answer = await engine.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind,
                                                            body=body), self.cfg.output_timeout_s)
         except EngineUnavailable as exc:
             raise unavailable(exc) from None

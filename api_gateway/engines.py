@@ -8,8 +8,8 @@ once (and goes on with the next incarnation: sequences.py) and new requests
 wait (bounded) for it instead of failing.
 
 The link's state is a ``LinkState`` (link_state.py), changed only by
-``EngineLink._swap`` along ``TRANSITIONS``; the ``ready`` and ``decided``
-events follow it there.
+``EngineLink._swap`` along ``TRANSITIONS``, which tells its model
+(``on_change``: api_gateway/served.py, where requests wait for a replica).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ MAX_ENGINE_MESSAGE_BYTES = 256 << 20
 START_MARGIN = 1.5
 
 class EngineLink:
+    """One engine group's link (a model's, or one replica's: ``model`` is the group's name)."""
+
     def __init__(self, model: str, socket_path: str, ctx: zmq.asyncio.Context, identity: bytes,
                  wake: Callable[[str], None] = lambda model: None,
                  task_died: Callable[[str, BaseException], None] | None = None):
@@ -82,10 +84,8 @@ class EngineLink:
         self.ctx = ctx
         self.identity = identity
         self.state = S.STARTING
-        # Set exactly while READY or REMOVED: either way, waiting for the engine is over.
+        # Set exactly while READY or REMOVED: either way, waiting for this engine is over.
         self.ready = asyncio.Event()
-        # Set while READY, FAILED or REMOVED: what a held request waits for (FAILED ends the wait at once).
-        self.decided = asyncio.Event()
         # Set when the socket in use is closed (its engine lifetime is over): a fresh one per socket.
         self.gone = asyncio.Event()
         # The engine's step deadline as it last published it (None until it is warm): hangs are
@@ -108,8 +108,9 @@ class EngineLink:
         self.sock: zmq.asyncio.Socket | None = None
         self.reader: asyncio.Task | None = None
         self.streams: dict[str, RequestStream] = {}
-        self.waiting = 0  # sequences held until the engine is ready
-        self.admitted = 0  # sequences held or running in the engine, not finished
+        self.outstanding = 0  # sequences sent to this engine and not finished (served.py picks by it)
+        # Called after every change of state or fitness (its ServedModel: waiters, wakes).
+        self.on_change: Callable[[EngineLink], None] = lambda link: None
         self.max_num_seqs = 0
         self.stats_waiters: list[asyncio.Future] = []
         # Messages from the engine lifetime that answered our Hello: a probe that gets no answer
@@ -149,12 +150,7 @@ class EngineLink:
             self.ready.set()
         else:
             self.ready.clear()
-        if new in (S.READY, S.FAILED, S.REMOVED):
-            self.decided.set()
-        else:
-            self.decided.clear()
-        if new is S.RELEASED and old is not S.RELEASED and self.waiting:
-            self.wake(self.model)  # requests already wait (held through a restart or the release's stop)
+        self.on_change(self)
         return True
 
     # ---- following the manager --------------------------------------------------
@@ -196,10 +192,8 @@ class EngineLink:
 
     def set_unfit(self, unfit: str | None) -> None:
         was, self.unfit = self.unfit, unfit
-        if unfit and not was:
-            self.decided.set()  # held requests learn it now
-        elif was and not unfit and self.state not in (S.READY, S.FAILED, S.REMOVED):
-            self.decided.clear()
+        if bool(was) != bool(unfit):
+            self.on_change(self)  # held requests learn it now
 
     def remove(self) -> None:
         """The model was unloaded: fail what is left and wake whoever waits."""
@@ -246,6 +240,7 @@ class EngineLink:
             self._abort_task.cancel()
             self._abort_task = None
         streams, self.streams = self.streams, {}
+        self.outstanding = 0
         for stream in streams.values():
             stream.sink.put_nowait((stream.request_id, EngineUnavailable(why, retry_after=5)))
         replies, self.replies = self.replies, {}
@@ -282,6 +277,7 @@ class EngineLink:
                 stream.sink.put_nowait((delta.request_id, delta))
                 if delta.finish_reason is not None:
                     stream.unfinished -= 1
+                    self.outstanding -= 1
                     if stream.unfinished <= 0:
                         self.streams.pop(delta.request_id, None)
 
@@ -304,12 +300,12 @@ class EngineLink:
             # (later bounces, from requests sent meanwhile, change nothing)
             if self.state is S.READY:
                 self._swap(frozenset({S.READY}), S.RELEASED)
-            stream = self.streams.pop(msg.request_id, None)
+            stream = self._forget(msg.request_id)
             if stream is not None:
                 stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
                                                                           retry_after=5)))
             return
-        stream = self.streams.pop(msg.request_id, None)
+        stream = self._forget(msg.request_id)
         if stream is not None:
             stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))
         fut = self.replies.pop(msg.request_id, None)
@@ -344,37 +340,6 @@ class EngineLink:
             return self.hold_timeout_s
         return max(default_s, START_MARGIN * self.start_s) if self.start_s else default_s
 
-    async def wait_ready(self, timeout_s: float, sequences: int = 1) -> None:
-        """Until the engine is ready (``sequences`` count as held meanwhile); FAILED, REMOVED
-        and the timeout raise ``EngineUnavailable``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        self.waiting += sequences
-        if self.state is S.RELEASED and not self.unfit:
-            self.wake(self.model)
-        try:
-            while True:
-                if self.state is S.READY:
-                    return
-                if self.unfit:
-                    raise EngineUnavailable(self.unfit, retry_after=None)
-                if self.state is S.FAILED:
-                    raise EngineUnavailable(f"model {self.model!r} failed: {self.reason or 'crash loop'}; "
-                                            f"an operator must run `servectl restart {self.model}`", retry_after=None)
-                if self.state is S.REMOVED:
-                    raise EngineUnavailable(f"model {self.model!r} was unloaded", retry_after=None)
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise EngineUnavailable(f"model {self.model!r} is not available ({self.status}) after "
-                                            f"waiting {timeout_s:g}s", retry_after=10)
-                try:
-                    # event-proof: the hold timeout, armed only while a request waits for its engine.
-                    await asyncio.wait_for(self.decided.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self.waiting -= sequences
-
     async def submit(self, frames: list[tuple[str, bytes]], sink: asyncio.Queue, choices: dict[str, int]) -> None:
         """Register and send encoded ``Generate`` frames ((request id, frame) pairs), in order;
         ``choices`` says how many finishes end each (its n, or 1 for a resumed choice).
@@ -390,6 +355,7 @@ class EngineLink:
         rids = [rid for rid, _ in frames]
         for rid in rids:
             self.streams[rid] = RequestStream(rid, sink, unfinished=choices[rid])
+            self.outstanding += choices[rid]
         try:
             for i, (_, frame) in enumerate(frames):
                 await self._send(sock, frame, "a request")
@@ -448,12 +414,6 @@ class EngineLink:
             return cold_s
         return min(cold_s, self.step_deadline_s + PROBE_MARGIN_S)
 
-    def queued(self, more: int = 0) -> int:
-        """Sequences waiting (were ``more`` admitted now): held for readiness, or beyond what
-        the engine runs at once."""
-        held = self.waiting + (more if self.state is not S.READY else 0)
-        return max(held, self.admitted + more - self.max_num_seqs)
-
     async def stats(self, timeout_s: float = 2.0, request_ids: list[str] | None = None) -> EP.StatsReply | None:
         """The engine's own counters (and which of ``request_ids`` it does not know), or None
         when it does not answer now."""
@@ -487,10 +447,16 @@ class EngineLink:
             if fut in self.metrics_waiters:
                 self.metrics_waiters.remove(fut)
 
+    def _forget(self, request_id: str) -> RequestStream | None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            self.outstanding -= stream.unfinished
+        return stream
+
     def abort(self, request_ids: list[str]) -> None:
         """Forget these requests and tell the engine to drop those still registered (in order,
         after anything already sent for them)."""
-        ids = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+        ids = [rid for rid in request_ids if self._forget(rid) is not None]
         if not ids or self.sock is None:
             return
         self._abort_ids.extend(ids)

@@ -22,6 +22,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.errors import HttpError, http_error_body
 from api_gateway.metrics import Metrics
 from api_gateway.sequences import RequestRun
+from api_gateway.served import ServedModel
 from api_gateway.sse import SseAnswer, after, client_gone, gone_response
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
@@ -37,9 +38,9 @@ class Generator:
         self.new_request_id = new_request_id
         self.report_hang = report_hang
 
-    def run(self, link: EngineLink, gens: list[EP.Generate], n: int) -> RequestRun:
+    def run(self, model: ServedModel, gens: list[EP.Generate], n: int, key: bytes | None = None) -> RequestRun:
         """The engine side of a request; raises the client's 400 if it cannot be sent at all."""
-        return RequestRun(link, gens, n, self.cfg, self.new_request_id, self.report_hang)
+        return RequestRun(model, gens, n, self.cfg, self.new_request_id, self.report_hang, key=key)
 
     async def respond(self, request: web.Request, req, run: RequestRun, chat: bool,
                       base: str, hold=None) -> web.StreamResponse:

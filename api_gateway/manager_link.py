@@ -20,9 +20,11 @@ import zmq.asyncio
 
 from api_gateway.engines import EngineLink
 from api_gateway.metrics import Metrics
+from api_gateway.served import ServedModel
 from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
 from servectl.wire import control as MP
+from servectl.wire.spawn import model_of
 from servectl.wire.vocab import EventKind, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway.manager_link")
@@ -42,7 +44,8 @@ def exit_task_died(name: str, exc: BaseException) -> None:
 
 
 class ManagerLink:
-    """Events in, the gateway's reports out; owner of the model name → ``EngineLink`` map."""
+    """Events in, the gateway's reports out; owner of the engine group → ``EngineLink`` map and of
+    the served model → ``ServedModel`` one (a replicated model's links are its replicas')."""
 
     def __init__(self, paths: RuntimePaths, identity: str, ctx: zmq.asyncio.Context, models: list[str],
                  metrics: Metrics, count_restarts: bool, send_timeout_s: float = 120.0):
@@ -57,17 +60,26 @@ class ManagerLink:
         # Called when a long-lived task (follow, an engine link's reader) failed past its
         # restarts: the gateway's Gateway.task_died (drain, exit TASK_DIED).
         self.on_task_died = exit_task_died
-        self.links: dict[str, EngineLink] = {name: self._new_link(name) for name in models}
+        self.links: dict[str, EngineLink] = {}  # by engine group name
+        self.models: dict[str, ServedModel] = {}  # by the name requests use
+        for name in models:
+            self._new_link(name)
         self.tasks = Tasks(log)  # reports sent in the background (WakeModel, GroupHung)
         self.sub: zmq.asyncio.Socket | None = None
         self.control: zmq.asyncio.Socket | None = None
         self.component = ""  # ours in the manager's words (set by send_ready)
         self.on_api_keys = lambda keys: None  # a reload rotated the API or admin keys (MP.ApiKeys)
 
-    def _new_link(self, model: str) -> EngineLink:
-        link = EngineLink(model, str(self.paths.engine(model)), self.ctx, self.identity.encode(), wake=self.wake,
+    def _new_link(self, group: str) -> EngineLink:
+        link = EngineLink(group, str(self.paths.engine(group)), self.ctx, self.identity.encode(), wake=self.wake,
                           task_died=lambda name, exc: self.on_task_died(name, exc))
         link.send_timeout_s = self.send_timeout_s
+        self.links[group] = link
+        model = model_of(group)
+        served = self.models.get(model)
+        if served is None:
+            served = self.models[model] = ServedModel(model)
+        served.add(link)
         return link
 
     def connect(self) -> None:
@@ -133,11 +145,14 @@ class ManagerLink:
         link = self.links.get(model)
         if state == ModelState.REMOVED:
             if link is not None:
-                link.remove()
                 del self.links[model]
+                served = self.models[model_of(model)]
+                served.drop(model)
+                if not served.links:
+                    del self.models[served.name]
             return
         if link is None:
-            link = self.links[model] = self._new_link(model)
+            link = self._new_link(model)
         if loras is not None:
             link.loras = list(loras)
         link.set_unfit(unfit)

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from api_gateway.bodies import read_body
 from api_gateway.errors import EngineUnavailable, HttpError, unavailable
+from api_gateway.served import prefix_key
 from api_gateway.sse import SseAnswer, after, client_gone, gone_response
 from servectl.wire import engine as EP
 
@@ -129,7 +130,7 @@ class ApiEndpoints:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
         g.check_room(link, 1)
         gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward, answer_id=secrets.token_hex(8))
-        run = g.generator.run(link, [gen], 1)
+        run = g.generator.run(link, [gen], 1, prefix_key(forward))
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
         with g.admitted(link, 1):
             hold = functools.partial(g.hold, link, 1, model, request.path)

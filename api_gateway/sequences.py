@@ -6,13 +6,16 @@ yields (prompt index, Delta) until every choice finished; leaving it in any
 way (the end, an error, the client gone) aborts whatever the engine still runs
 for them.
 
-A crash costs latency, not errors: when the engine goes away mid-request
-(a crash, a hang the group was restarted for), the request waits for the next
-incarnation, at most ``hold_timeout_s`` from the moment it learned of it, and
-each unfinished choice goes on there (``resume.plan``): the same response, the
-next token, nothing repeated or missing. The wait covers the model's longest
-measured start (``EngineLink.hold_s``). A model that failed, one a reload
-changed (``config_id``: its tokens would go on another model's answer), a
+Each run goes to one replica of the model (``ServedModel.pick``: the one with
+the fewest sequences outstanding). A crash costs latency, not errors: when the
+engine goes away mid-request (a crash, a hang the group was restarted for),
+the request goes on at once on another ready replica of the same
+configuration, else waits for one (the next incarnation), at most
+``hold_timeout_s`` from the moment it learned of it, and each unfinished
+choice goes on there (``resume.plan``): the same response, the next token,
+nothing repeated or missing. The wait covers the model's longest measured
+start (``EngineLink.hold_s``). A model that failed, one a reload changed
+(``config_id``: its tokens would go on another model's answer), a
 choice vLLM cannot continue exactly that the client has seen part of, or more
 than ``MAX_RESTARTS`` restarts in one request end it with today's errors.
 
@@ -35,6 +38,7 @@ from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineStalled, EngineUnavailable, HttpError, refused_by_engine,
                                 unavailable)
 from api_gateway.resume import CannotContinue, Choice, plan
+from api_gateway.served import ServedModel
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
 
@@ -58,10 +62,13 @@ class EngineGone(Exception):
 
 
 class RequestRun:
-    def __init__(self, link: EngineLink, gens: list[EP.Generate], n: int, cfg: GatewayConfig,
+    def __init__(self, model: ServedModel, gens: list[EP.Generate], n: int, cfg: GatewayConfig,
                  new_request_id: Callable[[], str], report_hang: Callable[[EngineLink], None],
-                 whole_answer: bool = True, restart: Callable[[int, int], None] = lambda pi, c: None):
-        self.link = link
+                 whole_answer: bool = True, restart: Callable[[int, int], None] = lambda pi, c: None,
+                 key: bytes | None = None):
+        self.model = model
+        self.key = key  # the start of its prompt (served.prefix_key): which replica it prefers
+        self.link: EngineLink | None = None  # the replica it runs on now
         self.gens = gens
         self.n = n
         self.cfg = cfg
@@ -80,32 +87,31 @@ class RequestRun:
 
     async def deltas(self) -> AsyncIterator[tuple[int, EP.Delta]]:
         """Yield (prompt index, Delta) for every prompt's request until every choice finished."""
-        link = self.link
+        model = self.model
         batch = [(pi, g, f) for pi, (g, f) in enumerate(zip(self.gens, self.frames))]
-        began_on = link.config_id  # admitted once the link is ready: the model it runs on
+        began_on = ""  # the configuration its first replica runs: it never goes on on another
         while True:
+            link = model.pick(self.key, began_on)
+            if link is None:  # taken out of service between the hold and now: wait again
+                await self._wait(model.hold_s(self.cfg.hold_timeout_s), began_on)
+                continue
+            self.link = link
+            began_on = began_on or link.config_id
             try:
-                async for item in self._run(batch):
+                async for item in self._run(link, batch):
                     yield item
                 return
             except EngineGone as exc:
                 why = str(exc)
-            # The hold clock starts now: the engine's restart has this long to come.
-            deadline = time.monotonic() + link.hold_s(self.cfg.hold_timeout_s)
+            # The hold clock starts now: another replica, or this one's restart, has this long.
+            deadline = time.monotonic() + model.hold_s(self.cfg.hold_timeout_s)
             self.restarts += 1
             if self.restarts > MAX_RESTARTS:
-                raise unavailable(EngineUnavailable(f"model {link.model!r} restarted {MAX_RESTARTS} times during "
+                raise unavailable(EngineUnavailable(f"model {model.name!r} restarted {MAX_RESTARTS} times during "
                                                     f"this request ({why})", retry_after=5))
-            try:
-                await link.wait_ready(deadline - time.monotonic())
-            except EngineUnavailable as exc:  # past the hold timeout, failed, unloaded
-                raise unavailable(exc) from None
-            if began_on and link.config_id != began_on:
-                # A reload changed the model (weights, engine arguments, ...): its tokens would
-                # go on another model's answer. Ended, never resumed there.
-                raise unavailable(EngineUnavailable(
-                    f"model {link.model!r} was replaced by a changed configuration (a reload) while this "
-                    "request ran; it cannot go on on the new one: send it again", retry_after=1))
+            # A reload that changed the model (weights, engine arguments, ...) ends it: its tokens
+            # would go on another model's answer (ServedModel.wait_ready says so).
+            await self._wait(deadline - time.monotonic(), began_on)
             try:
                 sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart,
                              self.constrained)
@@ -117,9 +123,15 @@ class RequestRun:
                      link.model, why, len(sends), self.restarts)
             batch = [(pi, g, encode_generate(g)) for pi, g in sends]
 
-    async def _run(self, batch: list[tuple[int, EP.Generate, bytes]]) -> AsyncIterator[tuple[int, EP.Delta]]:
+    async def _wait(self, timeout_s: float, config_id: str) -> None:
+        try:
+            await self.model.wait_ready(timeout_s, config_id=config_id)
+        except EngineUnavailable as exc:  # past the hold timeout, failed, unloaded, reloaded
+            raise unavailable(exc) from None
+
+    async def _run(self, link: EngineLink,
+                   batch: list[tuple[int, EP.Generate, bytes]]) -> AsyncIterator[tuple[int, EP.Delta]]:
         """One engine lifetime: submit ``batch``, pass its deltas on; ``EngineGone`` when it ends under us."""
-        link = self.link
         sink: asyncio.Queue = asyncio.Queue()
         prompt_of = {g.request_id: pi for pi, g, _ in batch}
         remaining = {g.request_id: (1 if g.resume is not None else self.n) for _, g, _ in batch}
@@ -129,7 +141,7 @@ class RequestRun:
             try:
                 await link.submit([(g.request_id, f) for _, g, f in batch], sink, dict(remaining))
             except EngineStalled as exc:
-                await self._hung(gone, str(exc))
+                await self._hung(link, gone, str(exc))
             except EngineUnavailable as exc:
                 raise EngineGone(str(exc)) from None
             hung = False
@@ -145,7 +157,7 @@ class RequestRun:
                     if hung:  # reported, and its restart did not come: give up
                         raise unavailable(EngineUnavailable(f"model {link.model!r} produced no output for "
                                                             f"{timeout:g}s and was not restarted", 10)) from None
-                    hung = await self._probe(sink, remaining, timeout)
+                    hung = await self._probe(link, sink, remaining, timeout)
                     continue
                 hung = False  # it answers after all (a slow step, not a hang)
                 if rid not in remaining:
@@ -180,9 +192,8 @@ class RequestRun:
         if d.finish_reason is not None:
             c.finished = True
 
-    async def _hung(self, gone: asyncio.Event, why: str) -> None:
+    async def _hung(self, link: EngineLink, gone: asyncio.Event, why: str) -> None:
         """The engine takes nothing: reported hung; its restart is awaited (bounded), then gone."""
-        link = self.link
         self.report_hang(link)
         timeout = link.output_timeout(self.cfg.output_timeout_s)
         try:
@@ -192,14 +203,13 @@ class RequestRun:
             raise unavailable(EngineUnavailable(f"{why}, and it was not restarted", retry_after=10)) from None
         raise EngineGone(why)
 
-    async def _probe(self, sink: asyncio.Queue, remaining: dict[str, int], timeout: float) -> bool:
+    async def _probe(self, link: EngineLink, sink: asyncio.Queue, remaining: dict[str, int], timeout: float) -> bool:
         """No output for a while: queued behind other requests, hung, or lost? True if hung.
 
         The engine answers Stats between steps; a step stuck on a hung worker keeps it
         from answering at all. A request it no longer holds while we wait for it was lost
         (never delivered, or dropped): it fails rather than waiting forever.
         """
-        link = self.link
         heard = link.heard
         reply = await link.stats(timeout, request_ids=list(remaining))
         if reply is None and link.output_timeout(self.cfg.output_timeout_s) > timeout:

@@ -56,7 +56,7 @@ class ManagerMessages:
         if released:
             log.info("released (%s): new requests are held by the gateways until a wake", self.idle.mode)
         self.control.send(MP.encoder.encode(MP.GroupReleased(
-            model=self.spec.model.name, incarnation=self.spec.incarnation, released=released, mode=self.idle.mode,
+            model=self.spec.group_name, incarnation=self.spec.incarnation, released=released, mode=self.idle.mode,
             device_memory_bytes=device_memory)))
 
     def _on_wake(self, msg: MP.Wake) -> None:
@@ -67,7 +67,7 @@ class ManagerMessages:
     def say_ready(self) -> None:
         """ChildReady to the manager: at start, and after a wake from sleep (same incarnation)."""
         self.control.send(MP.encoder.encode(MP.ChildReady(
-            component=engine_component(self.spec.model.name), pid=os.getpid(), incarnation=self.spec.incarnation,
+            component=engine_component(self.spec.group_name), pid=os.getpid(), incarnation=self.spec.incarnation,
             max_model_len=self.max_model_len, idle_release=self.idle.mode,
             device_memory_bytes=self.idle.device_memory(), loras=self._lora_listing(),
             footprint_bytes=self.footprint[0] if self.footprint else None,
@@ -92,7 +92,7 @@ class ManagerMessages:
             ok, status, message = False, exc.status, str(exc)
             log.warning("LoRA change refused: %s", message)
         self.control.send(MP.encoder.encode(MP.LoraDone(
-            model=self.spec.model.name, incarnation=self.spec.incarnation, call_id=msg.call_id, ok=ok,
+            model=self.spec.group_name, incarnation=self.spec.incarnation, call_id=msg.call_id, ok=ok,
             status=status, message=message, loras=self.adapters.listing())))
 
     def _on_freezing(self, msg: MP.FreezingControl) -> None:

@@ -178,12 +178,12 @@ class EngineServer(ManagerMessages):
 
     def _say_idle(self, idle_ms: int) -> None:
         log.info("idle for %.1fs: telling the manager", idle_ms / 1000)
-        self.control.send(MP.encoder.encode(MP.GroupIdle(model=self.spec.model.name, incarnation=self.spec.incarnation,
+        self.control.send(MP.encoder.encode(MP.GroupIdle(model=self.spec.group_name, incarnation=self.spec.incarnation,
                                                          idle_s=idle_ms / 1000)))
 
     def _report_freeze(self, frozen: bool) -> None:
         self.control.send(MP.encoder.encode(MP.GroupFrozen(
-            model=self.spec.model.name, frozen=frozen, idle_since=self.clock.since_wall if frozen else None)))
+            model=self.spec.group_name, frozen=frozen, idle_since=self.clock.since_wall if frozen else None)))
 
     def _drain_frontend(self) -> None:
         while True:
@@ -213,7 +213,7 @@ class EngineServer(ManagerMessages):
         self._abort(msg.request_ids)
 
     def _on_metrics(self, peer: bytes, msg: P.MetricsRequest) -> None:
-        text = "" if self.idle.released and not self.idle.asleep else engine_metrics.render(asleep=self.idle.asleep)
+        text = "" if self.idle.released and not self.idle.asleep else engine_metrics.render(asleep=self.idle.asleep, engine=self.spec.replica)
         self._send(peer, P.MetricsReply(incarnation=self.spec.incarnation, text=text))
 
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
@@ -253,7 +253,7 @@ class EngineServer(ManagerMessages):
         if (self.draining and not self.drain_reported and not self.engine.has_unfinished_requests()
                 and not self.pending):
             self.drain_reported = True
-            self.control.send(MP.encoder.encode(MP.GroupDrained(model=self.spec.model.name,
+            self.control.send(MP.encoder.encode(MP.GroupDrained(model=self.spec.group_name,
                                                                 incarnation=self.spec.incarnation)))
 
     def _reject(self, peer: bytes, why: str) -> None:

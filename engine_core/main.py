@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         return check_engine_args(json.loads(args.engine_args or "{}"), json.loads(args.chat or "{}"))
     spec = read_spec_fd(args.spec_fd, EngineSpec)
     die_with_parent()
-    setup_child_logging(f"engine_core[{spec.model.name}]")
+    setup_child_logging(f"engine_core[{spec.group_name}]")
     key = read_key(args.key_fd)
     pidfds = [int(x) for x in args.worker_pidfds.split(",") if x]
     paths = RuntimePaths(Path(spec.runtime_dir))
     ctx = zmq.Context()
     control = ctx.socket(zmq.DEALER)
-    control.setsockopt(zmq.IDENTITY, engine_identity(spec.model.name))
+    control.setsockopt(zmq.IDENTITY, engine_identity(spec.group_name))
     control.setsockopt(zmq.LINGER, 1000)
     # The manager sends an engine only small messages (Drain, Release, AbortPeer, ...).
     control.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
@@ -79,22 +79,22 @@ def main(argv: list[str] | None = None) -> int:
     # A message no gateway's Generate can be (derived from gateway.max_body_bytes) closes that
     # connection before the engine holds it.
     frontend.setsockopt(zmq.MAXMSGSIZE, engine_max_message_bytes(spec.max_body_bytes))
-    bind_private(frontend, paths.engine(spec.model.name))
+    bind_private(frontend, paths.engine(spec.group_name))
 
     def report_deadline(seconds: float) -> None:
         why = ("the generous one: a step that may be slow, e.g. the first to need a sampler path"
                if seconds >= spec.worker_reply_timeout_s else "derived from the steps seen")
         log.info("step deadline now %.3gs (%s)", seconds, why)
-        control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.model.name, incarnation=spec.incarnation,
+        control.send(MP.encoder.encode(MP.StepDeadlineChanged(model=spec.group_name, incarnation=spec.incarnation,
                                                               seconds=seconds)))
 
     tp = spec.model.tensor_parallel_size
     group = WorkerGroup(
-        worker_paths=[str(paths.worker(spec.model.name, r)) for r in range(tp)],
+        worker_paths=[str(paths.worker(spec.group_name, r)) for r in range(tp)],
         pidfds=pidfds,
         signer=Signer(key),
         reply_timeout_s=spec.worker_reply_timeout_s,
-        distributed_init_method=f"file://{paths.root}/dist-{spec.model.name}-{spec.incarnation}",
+        distributed_init_method=f"file://{paths.root}/dist-{spec.group_name}-{spec.incarnation}",
         on_deadline=report_deadline,
         step_floor_s=spec.step_deadline_floor_s,
         step_multiple=spec.step_deadline_multiple,
@@ -204,7 +204,7 @@ def engine_args(model) -> dict[str, Any]:
 def report_permanent_failure(control: zmq.Socket, spec: EngineSpec, reason: str, wait_s: float = 10.0) -> None:
     """Tell the manager why the group must not be restarted, and wait (bounded) for
     its Ack, so it knows before it sees this process exit."""
-    control.send(MP.encoder.encode(MP.EngineFailed(model=spec.model.name, incarnation=spec.incarnation,
+    control.send(MP.encoder.encode(MP.EngineFailed(model=spec.group_name, incarnation=spec.incarnation,
                                                    reason=reason)))
     deadline = time.monotonic() + wait_s
     # event-proof: a bounded wait for one reply, once, on the way out of a failed start.

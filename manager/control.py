@@ -304,7 +304,7 @@ class ControlServer:
         self.manager.request_shutdown(msg.timeout_s)
 
     def on_restart(self, caller: Caller, msg: P.RestartRequest) -> None:
-        if msg.model is not None and msg.model not in self.manager.groups:
+        if msg.model is not None and not self.manager.groups_of(msg.model):
             self.reply(caller, self.no_model(msg.model))
             return
         names = self.manager.restart(msg.model)
@@ -318,7 +318,7 @@ class ControlServer:
         self.manager.tasks.start(run(), "reload")
 
     def on_load(self, caller: Caller, msg: P.LoadModel) -> None:
-        if msg.model.name in self.manager.groups:
+        if self.manager.serves(msg.model.name):
             self.reply(caller, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
             return
         if (why := self.manager.name_taken_by_adapter([msg.model])) is not None:
@@ -331,7 +331,7 @@ class ControlServer:
 
     def on_load_configured(self, caller: Caller, msg: P.LoadConfigured) -> None:
         m = self.manager
-        if msg.name in m.groups:
+        if m.serves(msg.name):
             self.reply(caller, P.Ack(ok=False, message=f"model {msg.name!r} is already served"))
             return
         model = m.configured.get(msg.name)
@@ -353,7 +353,7 @@ class ControlServer:
         self.audit.write(record)
 
     def on_unload(self, caller: Caller, msg: P.UnloadModel) -> None:
-        if msg.name not in self.manager.groups:
+        if not self.manager.serves(msg.name):
             self.reply(caller, self.no_model(msg.name))
             return
         self.manager.tasks.start(self.manager.remove_model(msg.name), f"unload {msg.name}")
@@ -370,14 +370,16 @@ class ControlServer:
         m.tasks.start(run(), type(msg).__name__)
 
     def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:
-        group = self.manager.groups.get(msg.model)
-        if group is None:
+        groups = self.manager.groups_of(msg.model)
+        if not groups:
             self.reply(caller, self.no_model(msg.model))
             return
-        group.freezing = msg.enabled
-        self.manager.send_to_engine(group, P.FreezingControl(
-            enabled=msg.enabled, grace_s=self.manager.settings.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S))
+        for group in groups:
+            group.freezing = msg.enabled
+            self.manager.send_to_engine(group, P.FreezingControl(
+                enabled=msg.enabled, grace_s=self.manager.settings.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S))
         self.reply(caller, P.Ack(ok=True, message=f"freezing {'on' if msg.enabled else 'off'} for {msg.model}"))
 
     def no_model(self, name: str) -> P.Ack:
-        return P.Ack(ok=False, message=f"no model {name!r}; served: {', '.join(self.manager.groups)}")
+        served = dict.fromkeys(g.model for g in self.manager.groups.values())
+        return P.Ack(ok=False, message=f"no model {name!r}; served: {', '.join(served)}")

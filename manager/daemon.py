@@ -87,7 +87,9 @@ class Manager:
         self.standbys = StandbyPool(self)
         accelerator = has_accelerator()
         self.start_gate = StartGate(accelerator)  # one start at a time per device
-        self.groups = {m.name: EngineGroup(m, self) for m in cfg.models}  # the served models
+        # The served models' engine groups by group name (a model's name, or <model>@<i> for each
+        # of its replicas): the one source of truth.
+        self.groups = {g.name: g for m in cfg.models for g in self.new_groups(m)}
         # max_loaded_models and memory_budget; a fraction's base is the device's memory.
         totals = device_totals(accelerator) if cfg.manager.memory_budget else {}
         self.budget = Budget(cfg.manager.max_loaded_models, self.groups, labels=self.start_gate.labels,
@@ -113,10 +115,24 @@ class Manager:
         return self.state in (ManagerState.STOPPING, ManagerState.STOPPED)
 
     def served_models(self) -> list[str]:
+        """Every engine group's name (gateways keep a link to each)."""
         return list(self.groups)
 
     def group(self, model: str) -> EngineGroup | None:
         return self.groups.get(model)
+
+    def new_groups(self, model: C.ModelConfig) -> list[EngineGroup]:
+        """A model's engine groups, one per replica (not started)."""
+        return [EngineGroup(model, self, replica) for replica in range(model.replicas)]
+
+    def groups_of(self, name: str) -> list[EngineGroup]:
+        """What an operator's verb names: a model (all its replicas) or one replica's group."""
+        if name in self.groups and self.groups[name].name != self.groups[name].model:
+            return [self.groups[name]]
+        return [g for g in self.groups.values() if g.model == name]
+
+    def serves(self, model: str) -> bool:
+        return any(g.model == model for g in self.groups.values())
 
     # ---- children ------------------------------------------------------------
     def child_env(self, extra: dict[str, str]) -> dict[str, str]:
@@ -250,7 +266,7 @@ class Manager:
                 exit_code=c.exit_code, exit_signal=c.exit_signal)
                 for c in children],
             models=[self.model_status(g) for g in self.groups.values()], budget=self.budget.status(),
-            unloaded=[name for name in self.configured if name not in self.groups])
+            unloaded=[name for name in self.configured if not self.serves(name)])
 
     def model_status(self, g: EngineGroup) -> P.ModelStatus:
         idle = g.idle_policy
@@ -276,15 +292,16 @@ class Manager:
         for model in models:
             names = [model.name, *(lora.name for lora in model.lora_modules if isinstance(lora, C.LoraModule))]
             for name in names:
-                owner = adapter_owner({k: g for k, g in self.groups.items() if k != model.name}, name)
+                owner = adapter_owner({k: g for k, g in self.groups.items() if g.model != model.name}, name)
                 if owner is not None:
                     return (f"{name!r} is the name of a LoRA adapter of model {owner!r}; unload it first "
                             f"(servectl lora unload {name})")
         return None
 
     def add_model(self, model: C.ModelConfig) -> None:
-        group = self.groups[model.name] = EngineGroup(model, self)
-        self.start_group(group)
+        for group in self.new_groups(model):
+            self.groups[group.name] = group
+            self.start_group(group)
 
     def start_group(self, group: EngineGroup) -> None:
         """Start a configured model, or leave it released until its first request: autostart =
@@ -301,26 +318,35 @@ class Manager:
             group.start()
 
     async def remove_model(self, name: str) -> None:
-        group = self.groups[name]
+        """Unload a model: each of its groups drained and stopped, together."""
+        await asyncio.gather(*(self.remove_group(g) for g in self.groups_of(name)))
+
+    async def remove_group(self, group: EngineGroup) -> None:
         await group.drain(self.settings.drain_timeout_s)
         await group.stop(self.settings.stop_grace_s)
-        if self.groups.get(name) is not group:
+        if self.groups.get(group.name) is not group:
             return  # another unload (or a reload) removed it meanwhile: a new group under that name stays
-        del self.groups[name]
-        self.standbys.forget_model(name)
-        group.remove()  # publishes `removed`: gateways drop the model
+        del self.groups[group.name]
+        self.standbys.forget_model(group.name)
+        group.remove()  # publishes `removed`: gateways drop the group
 
     async def replace_model(self, model: C.ModelConfig) -> None:
-        """A changed configuration: drain and stop the old group, start a new one (cold: new interpreters)."""
-        old = self.groups[model.name]
-        await old.drain(self.settings.drain_timeout_s)
-        await old.stop(self.settings.stop_grace_s)
-        self.standbys.forget_model(model.name)
+        """A changed configuration: drain and stop the old groups, start new ones (cold: new interpreters)."""
+        old = self.groups_of(model.name)
+        await asyncio.gather(*(g.drain(self.settings.drain_timeout_s) for g in old))
+        await asyncio.gather(*(g.stop(self.settings.stop_grace_s) for g in old))
+        kept = {g.name for g in self.new_groups(model)}
+        for group in old:
+            self.standbys.forget_model(group.name)
+            if self.groups.get(group.name) is group and group.name not in kept:
+                del self.groups[group.name]
+                group.remove()  # a replica no longer configured; the others' links hold requests meanwhile
         self.add_model(model)
 
     def restart(self, model: str | None) -> list[str]:
-        """An operator's restart: one group, or every group one at a time (the others keep serving)."""
-        targets = [self.groups[model]] if model else list(self.groups.values())
+        """An operator's restart: a model's groups (a replica's alone), or every group, one at a time
+        (the others keep serving)."""
+        targets = self.groups_of(model) if model else list(self.groups.values())
 
         async def run() -> None:
             for group in targets:
@@ -350,7 +376,7 @@ class Manager:
             log.error("reload refused: %s", "; ".join(bad))
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, "\n".join(bad)
-        plan = plan_reload([g.cfg for g in self.groups.values()], self.gateway_cfg, new)
+        plan = plan_reload(list({g.model: g.model_cfg for g in self.groups.values()}.values()), self.gateway_cfg, new)
         clash = self.name_taken_by_adapter([*plan.added, *plan.changed])
         if clash is not None:
             log.error("reload refused: %s", clash)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from manager.budget import Budget
 from manager.children import Child, ChildState, RestartPolicy
 from manager.standbys import StandbyPool
@@ -33,8 +35,8 @@ from servectl.memory import has_accelerator
 from servectl.tasks import Tasks
 from servectl.wire import control as P
 from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
-from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, log_file_name,
-                                 resolve_fd_args, spec_fd, worker_component)
+from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, group_name,
+                                 log_file_name, resolve_fd_args, spec_fd, worker_component)
 
 log = logging.getLogger("manager")
 
@@ -109,15 +111,20 @@ class GroupHost(Protocol):
 
 
 class EngineGroup:
-    def __init__(self, cfg: C.ModelConfig, host: GroupHost):
-        self.cfg = cfg
-        self.name = cfg.name
+    def __init__(self, cfg: C.ModelConfig, host: GroupHost, replica: int = 0):
+        # The model as configured (every replica's), and this group's share of it: its devices.
+        self.model_cfg = cfg
+        self.cfg = msgspec.structs.replace(cfg, devices=C.replica_devices(cfg)[replica],
+                                           env={**cfg.env, **(cfg.replica_env[replica] if cfg.replica_env else {})})
+        self.replica = replica
+        self.model = cfg.name  # what requests name
+        self.name = group_name(cfg.name, replica, cfg.replicas)  # this group: its sockets, events, status
         self.host = host
         m = host.settings
         self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, cfg.crash_loop_count or m.crash_loop_count,
                                     m.crash_loop_window_s)
-        self.engine = self._member(engine_component(cfg.name), ENGINE)
-        self.workers = [self._member(worker_component(cfg.name, r), WORKER) for r in range(cfg.tensor_parallel_size)]
+        self.engine = self._member(engine_component(self.name), ENGINE)
+        self.workers = [self._member(worker_component(self.name, r), WORKER) for r in range(cfg.tensor_parallel_size)]
         self.state = GroupState.STOPPED
         self.reason: str | None = None
         self.incarnation = ""
@@ -161,7 +168,7 @@ class EngineGroup:
         self.lora_calls: dict[int, asyncio.Future] = {}
 
     def _member(self, component: str, kind: str) -> Child:
-        return Child(component, kind, self.cfg.name, self.host.log_dir / log_file_name(component),
+        return Child(component, kind, self.name, self.host.log_dir / log_file_name(component),
                      self.host.on_child_change, self.on_member_exit)
 
     @property
@@ -256,7 +263,8 @@ class EngineGroup:
             worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
             step_deadline_floor_s=m.step_deadline_floor_s,
-            max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras)), "servectl-engine-spec")
+            max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras), group=self.name,
+            replica=self.replica), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

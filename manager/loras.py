@@ -86,13 +86,20 @@ def lora_target(models: list[Candidate], model: str | None, adapter: str, loadin
 
 
 def candidates(groups: dict[str, "EngineGroup"]) -> list[Candidate]:
-    return [Candidate(g.name, C.lora_enabled(g.cfg), g.state, tuple(lora.name for lora in g.loras))
-            for g in groups.values()]
+    """One per served model: a replicated model's adapters are its replicas' (each loads them),
+    and it takes a change once every replica is ready."""
+    by_model: dict[str, list["EngineGroup"]] = {}
+    for g in groups.values():
+        by_model.setdefault(g.model, []).append(g)
+    return [Candidate(model, C.lora_enabled(gs[0].cfg),
+                      next((g.state for g in gs if g.state is not ModelState.READY), ModelState.READY),
+                      tuple(lora.name for lora in gs[0].loras))
+            for model, gs in by_model.items()]
 
 
 def adapter_owner(groups: dict[str, "EngineGroup"], name: str) -> str | None:
     """The model serving an adapter of that name, or None (a model's name must not be one)."""
-    return next((g.name for g in groups.values() if any(lora.name == name for lora in g.loras)), None)
+    return next((g.model for g in groups.values() if any(lora.name == name for lora in g.loras)), None)
 
 
 async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLora, timeout_s: float,
@@ -104,15 +111,21 @@ async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLor
     adapter = msg.lora.name if loading else msg.name
     target = lora_target(candidates(groups), msg.model, adapter, loading, reserved, frozenset(pending))
     if isinstance(target, Refusal):
-        known = groups.get(msg.model or "")  # the reply carries a model's adapters only when it names one
+        # the reply carries a model's adapters only when it names one
+        known = next((g for g in groups.values() if g.model == (msg.model or "")), None)
         return P.LoraReply(ok=False, status=target.status, message=target.message,
-                           model=known.name if known else "", loras=list(known.loras) if known else [])
-    group = groups[target]
-    call = (P.AddLora(call_id=next(_call_ids), lora=msg.lora, load_inplace=msg.load_inplace) if loading
-            else P.RemoveLora(call_id=next(_call_ids), name=adapter))
+                           model=known.model if known else "", loras=list(known.loras) if known else [])
+    replicas = [g for g in groups.values() if g.model == target]
+    group = replicas[0]
     pending.add(adapter)
     try:
-        done = await group.change_lora(call, timeout_s)
+        done = None
+        for replica in replicas:  # every replica serves the same adapters
+            call = (P.AddLora(call_id=next(_call_ids), lora=msg.lora, load_inplace=msg.load_inplace) if loading
+                    else P.RemoveLora(call_id=next(_call_ids), name=adapter))
+            done = await replica.change_lora(call, timeout_s)
+            if done is None or not done.ok:
+                break
     finally:
         pending.discard(adapter)
     if done is None:

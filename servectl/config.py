@@ -152,7 +152,14 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
     model: str
     tensor_parallel_size: PositiveInt = 1
-    devices: str | None = None
+    # Engine groups serving this model, each on its own devices; one name in /v1/models.
+    replicas: PositiveInt = 1
+    # CUDA_VISIBLE_DEVICES of its workers: one string (split evenly among the replicas), or
+    # one string per replica.
+    devices: str | list[str] | None = None
+    # One table per replica, over `env` for that replica alone: where it runs (CPU binding, a
+    # network interface), never what it answers (replicas are interchangeable mid-request).
+    replica_env: list[dict[str, str]] = []
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
     # Per-model override of [manager] crash_loop_count (e.g. a flaky model).
@@ -329,6 +336,10 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
                               "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
         m.lora_modules = lora_modules(m, where)
+        replica_devices(m, where)
+        if m.replica_env and len(m.replica_env) != m.replicas:
+            raise ConfigError(f"config error{where}: models.{m.name}.replica_env: {len(m.replica_env)} table(s) for "
+                              f"{m.replicas} replica(s): give one per replica")
         if m.expected_memory is not None:
             try:
                 parse_size(m.expected_memory)
@@ -343,6 +354,26 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
     gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)
     return cfg
+
+
+def replica_devices(m: ModelConfig, where: str = "") -> list[str | None]:
+    """Each replica's devices (CUDA_VISIBLE_DEVICES), or None where the model names none: a
+    list has one string per replica; one string is split evenly among them, in order."""
+    if m.devices is None:
+        return [None] * m.replicas
+    if isinstance(m.devices, list):
+        if len(m.devices) != m.replicas:
+            raise ConfigError(f"config error{where}: models.{m.name}.devices: {len(m.devices)} device list(s) for "
+                              f"{m.replicas} replica(s): give one per replica, or one string to split")
+        return list(m.devices)
+    if m.replicas == 1:
+        return [m.devices]
+    ids = [d.strip() for d in m.devices.split(",") if d.strip()]
+    if not ids or len(ids) % m.replicas:
+        raise ConfigError(f"config error{where}: models.{m.name}.devices: {len(ids)} device(s) cannot be split "
+                          f"evenly among {m.replicas} replicas")
+    share = len(ids) // m.replicas
+    return [",".join(ids[i * share:(i + 1) * share]) for i in range(m.replicas)]
 
 
 def lora_modules(m: ModelConfig, where: str = "") -> list[LoraModule]:

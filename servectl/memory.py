@@ -37,8 +37,10 @@ CPU = "cpu"
 
 def device_labels(model: "C.ModelConfig", accelerator: bool) -> tuple[str, ...]:
     """The devices a model's engine group uses, as labels. Pure."""
-    if model.devices is not None and model.devices.strip():
-        return tuple(d.strip() for d in model.devices.split(",") if d.strip())
+    # A replicated model's list: the first replica's (each replica's group has its own string).
+    devices = model.devices[0] if isinstance(model.devices, list) else model.devices
+    if devices is not None and devices.strip():
+        return tuple(d.strip() for d in devices.split(",") if d.strip())
     if not accelerator:
         return (CPU,)
     return tuple(str(i) for i in range(model.tensor_parallel_size))

@@ -91,6 +91,10 @@ class Harness:
         return self.gw.links[MODEL]
 
     @property
+    def model(self):
+        return self.gw.served[MODEL]
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

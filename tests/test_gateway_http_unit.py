@@ -51,7 +51,7 @@ def test_a_batch_larger_than_the_socket_queue_arrives_whole_and_is_aborted_whole
             aborted.update(msg.request_ids)
         assert aborted == {g.request_id for g in got}
         await asyncio.sleep(0.05)
-        assert (h.link.streams, h.link.admitted, h.gw.in_flight) == ({}, 0, 0)
+        assert (h.link.streams, h.model.admitted, h.gw.in_flight) == ({}, 0, 0)
 
     run(scenario)
 
@@ -68,7 +68,7 @@ def test_an_engine_that_takes_nothing_fails_the_request_and_registers_nothing():
         # Reported hung; its restart is awaited as long again, and did not come.
         assert status == 503 and "did not take a request" in error_shape(body)["message"], body
         assert "not restarted" in body["error"]["message"] and h.hangs == ["m"]
-        assert (h.link.streams, h.link.admitted, h.gw.in_flight) == ({}, 0, 0)
+        assert (h.link.streams, h.model.admitted, h.gw.in_flight) == ({}, 0, 0)
 
     run(scenario, rcvhwm=1, output_timeout_s=0.5)
 
@@ -142,7 +142,7 @@ def test_a_non_streaming_client_that_goes_away_is_aborted():
         abort = await h.engine.recv()
         assert abort == EP.Abort(request_ids=[gen.request_id])
         await asyncio.sleep(0.05)
-        assert (h.link.streams, h.link.admitted) == ({}, 0)
+        assert (h.link.streams, h.model.admitted) == ({}, 0)
 
     run(scenario)
 
@@ -156,7 +156,7 @@ def test_sequences_are_capped_and_admission_counts_them():
         # 2 run in the engine, 4 more may wait: a request of 4 sequences is admitted ...
         first = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "prompt": ["a"] * 3, "n": 2}))
         gens = [await h.engine.recv() for _ in range(3)]
-        assert h.link.queued() == 4
+        assert h.model.queued() == 4
         # ... and the next one (2 more) is refused: the queue would hold 6 > 4.
         status, body = await h.post("/v1/completions", {**COMPLETION, "n": 2})
         assert status == 429 and "4 sequences" in error_shape(body)["message"]

@@ -28,6 +28,18 @@ pytestmark = pytest.mark.unit
 S = LinkState
 
 
+
+def served(link):
+    """The link's model (a ServedModel of this one link), made once: where requests wait."""
+    from api_gateway.served import ServedModel
+
+    owner = getattr(link.on_change, "__self__", None)
+    if isinstance(owner, ServedModel):
+        return owner
+    model = ServedModel(link.model)
+    model.add(link)
+    return model
+
 def completion(**fields) -> H.CompletionRequest:
     return msgspec.convert({"model": "m", "prompt": "x", **fields}, H.CompletionRequest)
 
@@ -337,7 +349,7 @@ def test_failed_model_refuses_waiters_at_once():
     link = bare_link()
     link.on_model_state("failed", "", "3 exits within 60s")
     with pytest.raises(EngineUnavailable) as info:
-        asyncio.run(link.wait_ready(60))
+        asyncio.run(served(link).wait_ready(60))
     assert str(info.value) == ("model 'm' failed: 3 exits within 60s; an operator must run `servectl restart m`")
     assert info.value.retry_after is None
 
@@ -453,7 +465,7 @@ def test_draining_lets_requests_in_flight_run_and_holds_new_ones():
         rid, got = await asyncio.wait_for(sink.get(), 10)
         assert (rid, got.text, got.finish_reason) == ("g1", "y", "stop")
         with pytest.raises(EngineUnavailable) as info:
-            await link.wait_ready(0.05)
+            await served(link).wait_ready(0.05)
         assert str(info.value) == "model 'm' is not available (draining) after waiting 0.05s"
         with pytest.raises(EngineUnavailable):
             await submit(link, sink, EP.Generate(request_id="g2", kind="completion", body={"prompt": "x"}))
@@ -493,7 +505,7 @@ def test_protocol_mismatch_fails_the_link():
                                              max_model_len=128), "inc1")
         assert (link.state, link.status, link.reason) == (S.FAILED, "failed", "protocol version mismatch")
         with pytest.raises(EngineUnavailable) as info:
-            await link.wait_ready(10)
+            await served(link).wait_ready(10)
         assert info.value.retry_after is None
 
     with_engine(scenario)
@@ -501,9 +513,9 @@ def test_protocol_mismatch_fails_the_link():
 
 def test_remove_wakes_waiters_and_refuses_them():
     async def scenario(link: EngineLink, engine: FakeEngine):
-        waiter = asyncio.ensure_future(link.wait_ready(10))
+        waiter = asyncio.ensure_future(served(link).wait_ready(10))
         await asyncio.sleep(0)
-        assert link.waiting == 1
+        assert served(link).waiting == 1
         link.remove()
         with pytest.raises(EngineUnavailable) as info:
             await waiter
@@ -511,7 +523,7 @@ def test_remove_wakes_waiters_and_refuses_them():
         assert (link.state, link.status, link.ready.is_set()) == (S.REMOVED, "removed", True)
         # Later waits are refused at once: the ready event is set but nothing will ever serve.
         with pytest.raises(EngineUnavailable):
-            await link.wait_ready(10)
+            await served(link).wait_ready(10)
         assert link._swap(frozenset(S), S.STARTING) is False
 
     with_engine(scenario)

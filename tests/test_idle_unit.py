@@ -38,6 +38,18 @@ L = LinkState
 
 # ---- config ------------------------------------------------------------------------------
 
+
+def served(link):
+    """The link's model (a ServedModel of this one link), made once: where requests wait."""
+    from api_gateway.served import ServedModel
+
+    owner = getattr(link.on_change, "__self__", None)
+    if isinstance(owner, ServedModel):
+        return owner
+    model = ServedModel(link.model)
+    model.add(link)
+    return model
+
 def test_idle_policy_is_the_models_own_else_the_managers():
     m = C.ManagerConfig(idle_release_s=300, idle_release="sleep", sleep_level=2)
     assert C.IdlePolicy.of(C.ModelConfig(name="a", model="/a"), m) == C.IdlePolicy(after_s=300, mode="sleep",
@@ -347,7 +359,7 @@ def test_a_request_for_a_released_model_asks_the_manager_to_wake_it():
         link.on_model_state("released", "", "autostart = false: starts on its first request", 600.0)
         assert (link.state, link.status, link.hold_s(60.0)) == (L.RELEASED, "released", 600.0)
         assert wakes == []
-        waiter = asyncio.ensure_future(link.wait_ready(5))
+        waiter = asyncio.ensure_future(served(link).wait_ready(5))
         await asyncio.sleep(0)
         assert wakes == ["m"]
         link.on_model_state("starting", "", None)
@@ -362,7 +374,7 @@ def test_requests_held_through_the_release_ask_for_a_wake_once_it_is_released():
     async def scenario():
         link, wakes = link_with_wakes()
         link.on_model_state("stopping", "", None)  # the release's stop: requests wait
-        waiter = asyncio.ensure_future(link.wait_ready(5))
+        waiter = asyncio.ensure_future(served(link).wait_ready(5))
         await asyncio.sleep(0)
         assert wakes == []
         link.on_model_state("released", "", None)

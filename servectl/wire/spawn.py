@@ -10,8 +10,11 @@ sealed memfd (``spec_fd``) whose descriptor the child inherits
 Names are built and parsed here only: ``engine_core:<model>``,
 ``worker:<model>:<rank>``, ``gateway:<index>``, ``standby:<member>`` and
 ``model:<name>`` (components in status and events), ``engine:<model>`` and
-``gw-<index>-<pid>`` (socket identities). Model names never contain ``:``
-(``servectl.config.NAME_PATTERN``), so parsing is unambiguous.
+``gw-<index>-<pid>`` (socket identities). Where these say ``<model>`` they
+name an engine group: the model's own name, or ``<model>@<replica>`` for each
+replica of a model with ``replicas > 1`` (``group_name``). Model names never
+contain ``:`` or ``@`` (``servectl.config.NAME_PATTERN``), so parsing is
+unambiguous.
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # time, less those unloaded (the manager's EngineGroup.loras). A configured one that fails
     # to load fails the model (as `vllm serve --lora-modules`); one loaded at run time is dropped.
     loras: list[LoraModule] = []
+    # The engine group it serves (group_name: its sockets, its identity, its messages to the
+    # manager); "" for a model's only group, named as the model. ``model.name`` is the name its
+    # requests use.
+    group: str = ""
+    replica: int = 0  # which replica of the model (vLLM's ``engine`` label on its metrics)
+
+    @property
+    def group_name(self) -> str:
+        return self.group or self.model.name
 
 
 def engine_max_message_bytes(max_body_bytes: int) -> int:
@@ -151,6 +163,19 @@ def resolve_fd_args(argv: list[str], fds: list[int]) -> list[str]:
 
 # ---- names -------------------------------------------------------------------------
 
+REPLICA_MARK = "@"
+
+
+def group_name(model: str, replica: int, replicas: int) -> str:
+    """An engine group's name: the model's for its only group, ``<model>@<replica>`` for each of several."""
+    return model if replicas == 1 else f"{model}{REPLICA_MARK}{replica}"
+
+
+def model_of(group: str) -> str:
+    """The served model an engine group's name belongs to."""
+    return group.partition(REPLICA_MARK)[0]
+
+
 def engine_component(model: str) -> str:
     return f"{ENGINE}:{model}"
 
@@ -194,7 +219,7 @@ class ComponentName:
     member: str | None = None  # a standby's member component
 
 
-_MODEL_NAME = re.compile(NAME_PATTERN)
+_MODEL_NAME = re.compile(NAME_PATTERN.removesuffix(r"\Z") + rf"(?:{REPLICA_MARK}(?:0|[1-9][0-9]*))?\Z")
 _INDEX = re.compile(r"(0|[1-9][0-9]*)\Z", re.ASCII)  # exactly what str(int) makes
 
 

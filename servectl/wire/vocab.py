@@ -117,3 +117,8 @@ class ExitCode(enum.IntEnum):
     # The engine: a load failure a restart cannot fix (sysexits' EX_CONFIG); the
     # manager fails its group at once even if EngineFailed never arrived.
     PERMANENT = 78
+
+
+# What the gateways say for a model with replicas (one engine group each) some of which serve
+# while others do not (failed, down, restarting); it serves. No engine group is ever in it.
+DEGRADED = "degraded"
