@@ -155,7 +155,8 @@ class AdminRoutes:
         last_used = stats.last_worked_at if stats is not None and stats.last_worked_at is not None else m.idle_since
         state = msgspec.to_builtins(m)["state"]  # the wire's word for it
         return {
-            "name": m.name, "state": state, "served": True, "reason": m.reason, "devices": m.devices,
+            # An engine group: the model's own, or one replica of it (`model`, `<model>@<i>`).
+            "name": m.name, "model": model_of(m.name), "state": state, "served": True, "reason": m.reason, "devices": m.devices,
             "memory_bytes": m.memory_bytes, "device_memory_bytes": m.device_memory_bytes,
             "last_used": last_used, "idle_since": m.idle_since, "released_since": m.released_since,
             # The engine's own count (every gateway's requests); None while no engine answers.

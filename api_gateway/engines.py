@@ -305,6 +305,15 @@ class EngineLink:
                 stream.sink.put_nowait((msg.request_id, EngineUnavailable(f"model {self.model!r} is being released",
                                                                           retry_after=5)))
             return
+        if msg.draining:
+            # It took nothing more (a reload, an unload, a restart under way): the request goes to
+            # another replica, or waits for the next incarnation, as after a crash; so do the next.
+            if self.state is S.READY:
+                self._swap(frozenset({S.READY}), S.DRAINING)
+            stream = self._forget(msg.request_id)
+            if stream is not None:
+                stream.sink.put_nowait((msg.request_id, EngineUnavailable(msg.message, retry_after=5)))
+            return
         stream = self._forget(msg.request_id)
         if stream is not None:
             stream.sink.put_nowait((msg.request_id, EngineRequestError(msg.message, msg.status, msg.param)))

@@ -146,6 +146,8 @@ class ManagerLink:
         if state == ModelState.REMOVED:
             if link is not None:
                 del self.links[model]
+                # Its engine's last scraped count is no longer running anywhere (every gateway sees this).
+                self.metrics.running.labels(model=model).set(0)
                 served = self.models[model_of(model)]
                 served.drop(model)
                 if not served.links:

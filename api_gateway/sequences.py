@@ -109,6 +109,8 @@ class RequestRun:
             if self.restarts > MAX_RESTARTS:
                 raise unavailable(EngineUnavailable(f"model {model.name!r} restarted {MAX_RESTARTS} times during "
                                                     f"this request ({why})", retry_after=5))
+            if not any(c.started for choices in self.choices for c in choices):
+                began_on = ""  # nothing produced yet: any configuration may run it (a reload's new one)
             # A reload that changed the model (weights, engine arguments, ...) ends it: its tokens
             # would go on another model's answer (ServedModel.wait_ready says so).
             await self._wait(deadline - time.monotonic(), began_on)

@@ -300,7 +300,8 @@ class EngineServer(ManagerMessages):
     def _add(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
         if self.draining:
-            self._refuse(peer, rid, f"model {self.spec.model.name!r} is being stopped", 503)
+            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, draining=True,
+                                            message=f"model {self.spec.model.name!r} is being stopped", status=503))
             return
         try:
             built = self._build(msg)

@@ -34,6 +34,7 @@ from manager.control import ControlServer
 from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import plan_reload
+from manager.rollout import Rollout
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
@@ -104,6 +105,8 @@ class Manager:
         # `LoadConfigured` may start again once unloaded.
         self.configured = {m.name: m for m in cfg.models}
         self.gateways = GatewayPool(self)
+        self.state_waiters: dict[EngineGroup, list[asyncio.Future]] = {}  # Manager.state_in
+        self.rollout = Rollout(self)
         self.lora_changes: set[str] = set()  # adapters a load or unload is under way for (manager/loras.py)
         self.done = asyncio.Event()
         # Gateways' prometheus multiprocess files: fresh for each manager (a dead
@@ -224,6 +227,9 @@ class Manager:
                              start_s=group.start_s, config_id=group.config_id, loras=list(group.loras),
                              unfit=group.unfit is not None))
         notify(f"STATUS=model {group.name}: {group.state}")
+        for fut in self.state_waiters.pop(group, []):
+            if not fut.done():
+                fut.set_result(None)
         self.budget.changed(group)
         self.check_settled()
 
@@ -330,18 +336,21 @@ class Manager:
         self.standbys.forget_model(group.name)
         group.remove()  # publishes `removed`: gateways drop the group
 
-    async def replace_model(self, model: C.ModelConfig) -> None:
-        """A changed configuration: drain and stop the old groups, start new ones (cold: new interpreters)."""
-        old = self.groups_of(model.name)
-        await asyncio.gather(*(g.drain(self.settings.drain_timeout_s) for g in old))
-        await asyncio.gather(*(g.stop(self.settings.stop_grace_s) for g in old))
-        kept = {g.name for g in self.new_groups(model)}
-        for group in old:
-            self.standbys.forget_model(group.name)
-            if self.groups.get(group.name) is group and group.name not in kept:
-                del self.groups[group.name]
-                group.remove()  # a replica no longer configured; the others' links hold requests meanwhile
-        self.add_model(model)
+    async def restart_group(self, old: EngineGroup, model: C.ModelConfig) -> None:
+        """A replica's changed configuration where no new group fits beside it: drain and stop it,
+        start it again (cold: new interpreters) under its name, its requests held meanwhile."""
+        await old.drain(self.settings.drain_timeout_s)
+        await old.stop(self.settings.stop_grace_s)
+        self.standbys.forget_model(old.name)
+        group = self.groups[old.name] = EngineGroup(model, self, old.replica, old.name)
+        self.start_group(group)
+
+    async def state_in(self, group: EngineGroup, states: frozenset[GroupState]) -> None:
+        """Until the group's state is one of ``states`` (told by its state changes)."""
+        while group.state not in states:
+            fut = asyncio.get_running_loop().create_future()
+            self.state_waiters.setdefault(group, []).append(fut)
+            await fut
 
     def restart(self, model: str | None) -> list[str]:
         """An operator's restart: a model's groups (a replica's alone), or every group, one at a time
@@ -397,8 +406,9 @@ class Manager:
             await self.remove_model(name)
         for model in plan.added:
             self.add_model(model)
-        for model in plan.changed:
-            await self.replace_model(model)
+        ways = {}
+        for model in plan.changed:  # one after another: one start at a time per device anyway
+            ways[model.name] = await self.rollout.apply(model)
         for group in self.groups.values():  # [manager] warm_standby may have changed
             if self.settings.warm_standby:
                 self.standbys.refill(group)
@@ -413,7 +423,7 @@ class Manager:
                 notify("READY=1\nSTATUS=serving; reload: gateway address refused")
                 return False, f"gateway not reloaded: {message}"
         notify("READY=1\nSTATUS=serving")
-        return True, f"reloaded: {plan.summary()}"
+        return True, f"reloaded: {plan.summary()}" + "".join(f"; {name} {way}" for name, way in ways.items())
 
     # ---- lifecycle -------------------------------------------------------------------
     def request_shutdown(self, timeout_s: float | None = None) -> None:

@@ -35,8 +35,8 @@ from servectl.memory import has_accelerator
 from servectl.tasks import Tasks
 from servectl.wire import control as P
 from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
-from servectl.wire.spawn import (ENGINE, WORKER, EngineSpec, Role, engine_component, fd_ref, group_name,
-                                 log_file_name, resolve_fd_args, spec_fd, worker_component)
+from servectl.wire.spawn import (ENGINE, REPLICA_MARK, WORKER, EngineSpec, Role, engine_component, fd_ref,
+                                 group_name, log_file_name, resolve_fd_args, spec_fd, worker_component)
 
 log = logging.getLogger("manager")
 
@@ -111,14 +111,15 @@ class GroupHost(Protocol):
 
 
 class EngineGroup:
-    def __init__(self, cfg: C.ModelConfig, host: GroupHost, replica: int = 0):
+    def __init__(self, cfg: C.ModelConfig, host: GroupHost, replica: int = 0, name: str | None = None):
         # The model as configured (every replica's), and this group's share of it: its devices.
         self.model_cfg = cfg
         self.cfg = msgspec.structs.replace(cfg, devices=C.replica_devices(cfg)[replica],
                                            env={**cfg.env, **(cfg.replica_env[replica] if cfg.replica_env else {})})
         self.replica = replica
         self.model = cfg.name  # what requests name
-        self.name = group_name(cfg.name, replica, cfg.replicas)  # this group: its sockets, events, status
+        # This group: its sockets, events, status (a rolled out one's differs from its replica's).
+        self.name = name or group_name(cfg.name, replica, cfg.replicas)
         self.host = host
         m = host.settings
         self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, cfg.crash_loop_count or m.crash_loop_count,
@@ -264,7 +265,7 @@ class EngineGroup:
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
             step_deadline_floor_s=m.step_deadline_floor_s,
             max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras), group=self.name,
-            replica=self.replica), "servectl-engine-spec")
+            replica=int(self.name.partition(REPLICA_MARK)[2] or 0)), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

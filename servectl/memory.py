@@ -173,19 +173,20 @@ def estimate(model: "C.ModelConfig", accelerator: bool, device_total: int | None
     return Estimate(checkpoint // tp + int(kv), "checkpoint + KV cache")
 
 
-def host_memory_total() -> int | None:
-    """MemTotal of /proc/meminfo, in bytes."""
+def host_memory_total(field: str = "MemTotal") -> int | None:
+    """A field of /proc/meminfo (MemTotal, MemAvailable), in bytes."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
 
 
-def gpu_memory_totals() -> dict[str, int]:
-    """Each GPU's total memory by index (NVML, which vLLM's GPU build installs); {} without it."""
+def gpu_memory_totals(field: str = "total") -> dict[str, int]:
+    """Each GPU's memory (``total`` or ``free``) by index (NVML, which vLLM's GPU build
+    installs); {} without it."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
@@ -193,12 +194,21 @@ def gpu_memory_totals() -> dict[str, int]:
     try:
         pynvml.nvmlInit()
         try:
-            return {str(i): int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+            return {str(i): int(getattr(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)), field))
                     for i in range(pynvml.nvmlDeviceGetCount())}
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no driver, no device: nothing known
         return {}
+
+
+def device_free(accelerator: bool) -> dict[str, int]:
+    """Each device label's memory free now: GPUs' (NVML) on an accelerator host, else the host's
+    MemAvailable as ``cpu``."""
+    if accelerator:
+        return gpu_memory_totals("free")
+    free = host_memory_total("MemAvailable")
+    return {} if free is None else {"cpu": free}
 
 
 def device_totals(accelerator: bool) -> dict[str, int]:

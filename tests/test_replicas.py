@@ -164,3 +164,61 @@ def test_a_replicas_worker_killed_under_load_costs_no_error_and_its_requests_fin
     assert {m.name: m.restarts for m in d.status().models}["chat@0"] == restarts + 1
     assert states(d)["chat@1"] == "ready"
     assert_nothing_running(d)
+
+
+def waiting_metric(d, model: str = "chat") -> float:
+    for line in http(d, "GET", "/metrics").text.splitlines():
+        if line.startswith(f'servectl_requests_waiting{{model="{model}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_rolling_reload_under_load_holds_nothing_fails_nothing_and_takes_effect(d):
+    """Last in this module: it reconfigures the daemon."""
+    client = d.openai(timeout=300)
+    assert {m.id: m.max_model_len for m in client.models.list().data}["chat"] == 512
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    done = [0]
+    waiting: list[float] = []
+
+    def load(i: int) -> None:
+        while not stop.is_set():
+            try:
+                if i % 2:
+                    out = client.completions.create(model="chat", prompt=f"{i} def ", max_tokens=32,
+                                                    temperature=0)
+                    assert out.choices[0].finish_reason == "length"
+                else:  # a long stream (that the new max_model_len admits too)
+                    chunks = client.completions.create(model="chat", prompt=f"{i} class ", max_tokens=300,
+                                                       temperature=0, extra_body={"ignore_eos": True}, stream=True)
+                    assert "".join(c.choices[0].text for c in chunks if c.choices)
+                done[0] += 1
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    text = d.config_path.read_text().replace('engine_args = { dtype = "float32" }',
+                                              'engine_args = { dtype = "float32", max_model_len = 384 }')
+    d.config_path.write_text(text)
+    reload = threading.Thread(target=lambda: waiting.append(d.cli("reload")))
+    reload.start()
+    samples = []
+    while reload.is_alive():
+        samples.append(waiting_metric(d))
+        reload.join(0.2)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    out = waiting[0]
+    assert out.returncode == 0, out
+    assert "chat rolled" in out.stdout + out.stderr, out
+    assert not errors, errors
+    assert done[0] > 0 and samples and max(samples) == 0, samples  # nothing was held meanwhile
+    assert {m.id: m.max_model_len for m in client.models.list().data}["chat"] == 384
+    assert len([g for g in states(d) if g.startswith("chat@")]) == 2
+    assert all(s == "ready" for g, s in states(d).items() if g.startswith("chat@")), states(d)
+    assert_nothing_running(d)

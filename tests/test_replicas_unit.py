@@ -171,3 +171,48 @@ def test_a_request_held_for_a_released_model_wakes_its_replicas():
         waiter.cancel()
 
     asyncio.run(scenario())
+
+
+# ---- rolling out a changed model ------------------------------------------------------------------
+
+def test_a_rolled_out_group_takes_a_name_not_in_use():
+    from manager.rollout import free_name
+
+    assert free_name("chat", 0, 1, set()) == "chat"
+    assert free_name("chat", 0, 1, {"chat"}) == "chat@0"
+    assert free_name("chat", 0, 1, {"chat", "chat@0"}) == "chat@1"
+    assert free_name("chat", 1, 2, {"chat@0", "chat@1"}) == "chat@2"
+    assert free_name("chat", 1, 2, {"chat@0", "chat@2"}) == "chat@1"
+
+
+def test_a_new_group_is_started_beside_the_old_only_where_memory_allows():
+    from manager.rollout import room_to_roll
+
+    gib = 1 << 30
+    assert room_to_roll(2 * gib, ("cpu",), None, False, {"cpu": 3 * gib}) is None
+    assert room_to_roll(2 * gib, ("0", "1"), None, False, {"0": 3 * gib, "1": gib}) == \
+        "device 1 has 1.0 GiB free, the new group needs 2.0 GiB"
+    assert room_to_roll(None, ("cpu",), None, False, {"cpu": gib}) == "its footprint is not known"
+    assert room_to_roll(gib, ("0",), None, False, {}) == "the free memory of device 0 is not known"
+    # With a budget, the budget decides (what it counts: every loaded model, the old one included).
+    assert room_to_roll(gib, ("cpu",), "cpu: 3 GiB of 4 GiB used", True, {"cpu": 100 * gib}) == \
+        "cpu: 3 GiB of 4 GiB used"
+    assert room_to_roll(gib, ("cpu",), None, True, {}) is None
+
+
+def test_a_request_a_draining_engine_bounces_goes_elsewhere_and_marks_it_draining():
+    async def scenario():
+        one = link("chat@0")
+        sink: asyncio.Queue = asyncio.Queue()
+        from api_gateway.engines import RequestStream
+        from servectl.wire import engine as EP
+
+        one.streams["r1"] = RequestStream("r1", sink, unfinished=2)
+        one.outstanding = 2
+        one.on_engine_message(EP.RequestError(incarnation="i", request_id="r1", message="model 'chat' is being "
+                                              "stopped", status=503, draining=True), "i")
+        rid, item = sink.get_nowait()
+        assert rid == "r1" and isinstance(item, EngineUnavailable)  # gone: sent elsewhere, not an error
+        assert (one.state, one.outstanding, one.streams) == (L.DRAINING, 0, {})
+
+    asyncio.run(scenario())

@@ -181,6 +181,9 @@ class RequestError(_Msg, tag="error"):
     # The engine is giving its memory back (idle release): the request was not
     # started; the gateway holds it and sends it again once the model is woken.
     released: bool = False
+    # The engine drains (a reload, an unload, a restart): the request was not started; the gateway
+    # sends it to another replica, or to the next incarnation, as it would after a crash.
+    draining: bool = False
 
 
 class TokenizerReply(_Msg, tag="tokenizer_reply"):

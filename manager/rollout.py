@@ -1,0 +1,115 @@
+"""A changed model rolled out by ``servectl reload``: started anew beside the old where memory allows.
+
+For each replica of a model whose configuration changed (weights, engine arguments, ...), a new
+engine group is started beside the old one under a name of its own (``<model>@<n>``): the old
+one serves meanwhile, so no request is held. Once the new one is ready the old one drains (its
+requests finish there; new ones go to the new group, the only one ready) and stops. Replica by
+replica, so a replicated model keeps serving on the others throughout. Where memory does not
+allow two copies (``room_to_roll``), the replica is drained, stopped and started again with the
+new configuration under its own name, as before, its requests held meanwhile. A new group that
+cannot start (it fails, or is left released) is stopped and the old one kept: the model serves
+with its old configuration and the reload says so. A request never goes on on a group of another
+configuration (``config_id``: api_gateway/sequences.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from manager.group import EngineGroup, GroupState
+from servectl import config as C
+from servectl.memory import device_free, fmt_size
+from servectl.wire.spawn import REPLICA_MARK, group_name
+
+if TYPE_CHECKING:
+    from manager.daemon import Manager
+
+log = logging.getLogger("manager")
+S = GroupState
+
+ROLLED, RESTARTED, KEPT = "rolled", "restarted", "kept"
+# A new group's start ends in one of these: serving, or not going to.
+DECIDED = frozenset({S.READY, S.FAILED, S.RELEASED, S.REMOVED})
+
+
+def free_name(model: str, replica: int, replicas: int, taken: set[str]) -> str:
+    """A group name not in use: the replica's own if free, else ``<model>@<n>``, the least n free."""
+    name = group_name(model, replica, replicas)
+    n = 0
+    while name in taken:
+        name, n = f"{model}{REPLICA_MARK}{n}", n + 1
+    return name
+
+
+def room_to_roll(needed: int | None, labels: tuple[str, ...], short: str | None, budgeted: bool,
+                 free: dict[str, int]) -> str | None:
+    """None when a new group fits beside the old one; else why not. Pure.
+
+    With a memory budget (or max_loaded_models), the budget decides (``short``: its reason, or
+    None); without one, each of its devices must have the new group's footprint free now.
+    """
+    if budgeted:
+        return short
+    if needed is None:
+        return "its footprint is not known"
+    for label in labels:
+        if label not in free:
+            return f"the free memory of device {label} is not known"
+        if free[label] < needed:
+            return f"device {label} has {fmt_size(free[label])} free, the new group needs {fmt_size(needed)}"
+    return None
+
+
+class Rollout:
+    def __init__(self, manager: "Manager"):
+        self.m = manager
+
+    async def apply(self, cfg: C.ModelConfig) -> str:
+        """Bring a served model to ``cfg``; how it went: rolled, restarted, or kept (and why)."""
+        m = self.m
+        old = sorted(m.groups_of(cfg.name), key=lambda g: g.replica)
+        ways: list[str] = []
+        for replica in range(max(cfg.replicas, len(old))):
+            was = old[replica] if replica < len(old) else None
+            if replica >= cfg.replicas:
+                await m.remove_group(was)  # one replica fewer
+                continue
+            if was is None:  # one replica more
+                self._start(EngineGroup(cfg, m, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups))))
+                continue
+            ways.append(await self._replace(was, cfg, replica))
+        if KEPT in {w.split(":")[0] for w in ways}:
+            return next(w for w in ways if w.startswith(KEPT))
+        return RESTARTED if RESTARTED in ways else ROLLED
+
+    async def _replace(self, was: EngineGroup, cfg: C.ModelConfig, replica: int) -> str:
+        m = self.m
+        new = EngineGroup(cfg, m, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups)))
+        why = None if was.state is S.READY else f"{was.name} is {was.state}"
+        if why is None:
+            short = m.budget.short(new)
+            why = room_to_roll(m.budget.footprint(new).bytes, m.start_gate.labels(new),
+                               m.budget.describe(new, short) if short is not None else None, m.budget.active,
+                               device_free(m.start_gate.accelerator))
+        if why is not None:
+            log.info("reload: %s restarted with its new configuration (not rolled: %s)", was.name, why)
+            await m.restart_group(was, cfg)
+            return RESTARTED
+        log.info("reload: starting %s beside %s (the new configuration of model %s)", new.name, was.name, cfg.name)
+        m.groups[new.name] = new
+        new.start()  # (the old one serves: started whatever its autostart says)
+        await m.state_in(new, DECIDED)
+        if new.state is not S.READY:
+            reason = new.reason or str(new.state)
+            log.error("reload: %s did not start (%s); %s keeps serving the old configuration", new.name, reason,
+                      was.name)
+            await m.remove_group(new)
+            return f"{KEPT}: the new configuration did not start ({reason})"
+        await m.remove_group(was)  # drained: its requests finish there, new ones go to the new group
+        return ROLLED
+
+    def _start(self, group: EngineGroup) -> None:
+        self.m.groups[group.name] = group
+        self.m.start_group(group)
+
