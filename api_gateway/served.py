@@ -161,12 +161,19 @@ class ServedModel:
             tied = [link for link in ready if link.outstanding == least]
             last = self.affinity.get(key) if key is not None else None
             link = next((link for link in tied if link.model == last), tied[0])
+        if link.outstanding:
+            self._wake_one()  # every ready replica is busy: one released for idleness comes back
         if key is not None and len(self.links) > 1:
             self.affinity[key] = link.model
             self.affinity.move_to_end(key)
             if len(self.affinity) > AFFINITY_ENTRIES:
                 self.affinity.popitem(last=False)
         return link
+
+    def _wake_one(self) -> None:
+        released = next((link for link in self.links.values() if link.state is S.RELEASED and not link.unfit), None)
+        if released is not None:
+            released.wake(released.model)
 
     async def wait_ready(self, timeout_s: float, sequences: int = 1, config_id: str = "") -> None:
         """Until a replica (of ``config_id``, if given) is ready (``sequences`` count as held

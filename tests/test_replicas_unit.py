@@ -216,3 +216,12 @@ def test_a_request_a_draining_engine_bounces_goes_elsewhere_and_marks_it_drainin
         assert (one.state, one.outstanding, one.streams) == (L.DRAINING, 0, {})
 
     asyncio.run(scenario())
+
+
+def test_a_replica_released_for_idleness_is_woken_once_the_ready_ones_are_busy():
+    wakes: list[str] = []
+    m = served(link("chat@0"), link("chat@1", L.RELEASED))
+    m.links["chat@1"].wake = wakes.append
+    assert m.pick().model == "chat@0" and wakes == []  # an idle replica serves: nothing to wake
+    m.links["chat@0"].outstanding = 1
+    assert m.pick().model == "chat@0" and wakes == ["chat@1"]
