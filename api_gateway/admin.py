@@ -142,7 +142,7 @@ class AdminRoutes:
         st = await self.status()
         stats = await asyncio.gather(*(self.engine_stats(m.name) for m in st.models))
         data = [self.model_entry(m, s) for m, s in zip(st.models, stats)]
-        data += [{"name": name, "state": "unloaded", "served": False} for name in st.unloaded]
+        data += [{"name": name, "model": name, "state": "unloaded", "served": False} for name in st.unloaded]
         # The memory budget: each device's budget and use, the cap, the last eviction (docs/operations.md).
         return web.json_response({"object": "list", "data": data, "budget": msgspec.to_builtins(st.budget)})
 

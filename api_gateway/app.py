@@ -265,7 +265,8 @@ class Gateway:
         engines = []
         for name, served in self.served.items():
             self.metrics.waiting.labels(model=name).set(served.queued())
-        for name, link in self.links.items():  # each engine group: a model's, or each of its replicas
+        # Each engine group: a model's, or each of its replicas (a copy: groups come and go meanwhile).
+        for name, link in list(self.links.items()):
             stats = await link.stats()
             if stats is not None:
                 self.metrics.running.labels(model=name).set(stats.unfinished)

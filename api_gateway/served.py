@@ -214,9 +214,3 @@ class ServedModel:
                     pass
         finally:
             self.waiting -= sequences
-
-    # ---- the model's engines -------------------------------------------------------------------
-    async def stats(self, timeout_s: float = 2.0):
-        """One ready replica's counters (what /servectl/v1/models shows per model), or None."""
-        link = self.pick()
-        return None if link is None else await link.stats(timeout_s)

@@ -40,9 +40,9 @@ TOKENS = 120
 
 
 class Stream(threading.Thread):
-    def __init__(self, port: int, prompt: str):
+    def __init__(self, port: int, prompt: str, model: str = "default", tokens: int = TOKENS):
         super().__init__(daemon=True)
-        self.port, self.prompt = port, prompt
+        self.port, self.prompt, self.model, self.tokens = port, prompt, model, tokens
         self.text: list[str] = []
         self.stamps: list[float] = []
         self.errors: list = []
@@ -52,7 +52,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         conn = HTTPConnection("127.0.0.1", self.port, timeout=600)
         conn.request("POST", "/v1/completions", json.dumps({
-            "model": "default", "prompt": self.prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0,
+            "model": self.model, "prompt": self.prompt, "max_tokens": self.tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         for event in sse_events(resp):

@@ -264,7 +264,7 @@ def test_the_list_joins_the_managers_status_with_the_engines_count():
         m, spare = answer["data"]
         assert m["name"] == "m" and m["state"] == "ready" and m["requests_running"] == 3
         assert m["memory_bytes"] == 123 and m["restarts"] == 2 and m["devices"] == "0"
-        assert spare == {"name": "spare", "state": "unloaded", "served": False}
+        assert spare == {"name": "spare", "model": "spare", "state": "unloaded", "served": False}
 
     scenario_with_manager(body, admin_keys=["sk-admin"])
 
