@@ -10,7 +10,7 @@ import pytest
 
 from api_gateway.engines import EngineLink, EngineUnavailable, LinkState
 from api_gateway.served import AFFINITY_ENTRIES, ServedModel, prefix_key
-from manager.group import EngineGroup
+from manager.group import EngineGroup, GroupState
 from servectl import config as C
 from servectl.wire.spawn import group_name, model_of, parse_component
 from test_manager_unit import HostDouble
@@ -225,3 +225,22 @@ def test_a_replica_released_for_idleness_is_woken_once_the_ready_ones_are_busy()
     assert m.pick().model == "chat@0" and wakes == []  # an idle replica serves: nothing to wake
     m.links["chat@0"].outstanding = 1
     assert m.pick().model == "chat@0" and wakes == ["chat@1"]
+
+
+def test_the_budget_and_the_start_gate_count_replicas_one_by_one(tmp_path):
+    from manager.budget import Budget
+    from manager.start_gate import StartGate
+
+    host = HostDouble(tmp_path)
+    cfg = model(replicas=2)
+    first, second = (EngineGroup(cfg, host, r) for r in range(2))
+    groups = {g.name: g for g in (first, second)}
+    budget = Budget(1, groups)  # max_loaded_models = 1
+    first.state = GroupState.READY
+    assert budget.short(first) is None  # alone under the cap
+    assert budget.short(second) is not None  # its sibling counts as a loaded model
+    first.state = GroupState.RELEASED  # released for idleness: holds nothing
+    assert budget.short(second) is None
+    gate = StartGate(accelerator=False)
+    gate.groups = groups
+    assert gate.labels(first) == gate.labels(second) == ("cpu",)  # one start at a time on a CPU host
