@@ -122,8 +122,9 @@ class AdminRoutes:
     async def known(self, name: str) -> MP.StatusReply:
         """The manager's status, once ``name`` is known to be one of its configured or served models."""
         st = await self.status()
-        if name not in {m.name for m in st.models} and name not in st.unloaded:
-            names = sorted({m.name for m in st.models} | set(st.unloaded))
+        served = {m.name for m in st.models} | {model_of(m.name) for m in st.models}  # groups and models
+        if name not in served and name not in st.unloaded:
+            names = sorted({model_of(m.name) for m in st.models} | set(st.unloaded))
             raise HttpError(404, f"model {name!r} not found; configured or served: {', '.join(names)}",
                             param="model", code="model_not_found")
         return st
@@ -249,9 +250,9 @@ class AdminRoutes:
         if not isinstance(reply, MP.LoraReply):
             raise HttpError(503, f"the manager gave no answer to the command: {getattr(reply, 'message', '')}",
                             "service_unavailable")
-        link = self.gw.links.get(reply.model) if reply.model else None
-        if link is not None:
-            link.loras = list(reply.loras)  # this gateway knows at once; the others from the model's event
+        served = self.gw.served.get(reply.model) if reply.model else None
+        for link in served.links.values() if served is not None else ():
+            link.loras = list(reply.loras)  # this gateway knows at once; the others from the model's events
         if not reply.ok:
             kind = {404: "NotFoundError", 409: "conflict_error", 503: "service_unavailable"}.get(reply.status,
                                                                                               "BadRequestError")

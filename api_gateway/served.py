@@ -32,8 +32,9 @@ PREFIX_BYTES = 128
 AFFINITY_ENTRIES = 4096
 # Which state a model that no replica serves reports: the one nearest to serving.
 _NEAREST = (S.READY, S.CONNECTING, S.STARTING, S.DRAINING, S.RELEASED, S.DOWN, S.FAILED, S.REMOVED)
-# Replicas in these states are not missing capacity: a model with others ready is not degraded.
-_NOT_DEGRADING = frozenset({S.READY, S.RELEASED})
+# Replicas in these states are not missing capacity: a model with others ready is not degraded
+# (starting: a new one, or one coming back; draining: a reload's old one; released: idle).
+_NOT_DEGRADING = frozenset({S.READY, S.RELEASED, S.STARTING, S.CONNECTING, S.DRAINING})
 
 
 def prefix_key(body: dict) -> bytes | None:
@@ -89,7 +90,7 @@ class ServedModel:
     @property
     def status(self) -> ModelState | str:
         """What /health and /v1/models say: one replica's word, or ``degraded`` while some
-        serve and others are missing (failed, down, restarting)."""
+        serve and others are failed or down (crashed, in backoff)."""
         first = self._first()
         if first is None:
             return M.REMOVED
@@ -161,8 +162,8 @@ class ServedModel:
             tied = [link for link in ready if link.outstanding == least]
             last = self.affinity.get(key) if key is not None else None
             link = next((link for link in tied if link.model == last), tied[0])
-        if link.outstanding:
-            self._wake_one()  # every ready replica is busy: one released for idleness comes back
+        if link.max_num_seqs and link.outstanding * 2 >= link.max_num_seqs:
+            self._wake_one()  # the ready replicas are half full or more: one released for idleness comes back
         if key is not None and len(self.links) > 1:
             self.affinity[key] = link.model
             self.affinity.move_to_end(key)
@@ -182,7 +183,7 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         self.waiting += sequences
-        if not self.ready_links():
+        if not self.ready_links(config_id):
             for link in self.links.values():  # each request that starts waiting asks (idempotent there)
                 if link.state is S.RELEASED and not link.unfit:
                     link.wake(link.model)

@@ -34,7 +34,7 @@ from manager.control import ControlServer
 from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import plan_reload
-from manager.rollout import Rollout
+from manager.rollout import DECIDED, Rollout
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
@@ -107,6 +107,7 @@ class Manager:
         self.gateways = GatewayPool(self)
         self.state_waiters: dict[EngineGroup, list[asyncio.Future]] = {}  # Manager.state_in
         self.rollout = Rollout(self)
+        self.reload_lock = asyncio.Lock()
         self.lora_changes: set[str] = set()  # adapters a load or unload is under way for (manager/loras.py)
         self.done = asyncio.Event()
         # Gateways' prometheus multiprocess files: fresh for each manager (a dead
@@ -328,6 +329,8 @@ class Manager:
         await asyncio.gather(*(self.remove_group(g) for g in self.groups_of(name)))
 
     async def remove_group(self, group: EngineGroup) -> None:
+        if self.groups.get(group.name) is not group:
+            return  # removed meanwhile (an unload during a reload's roll)
         await group.drain(self.settings.drain_timeout_s)
         await group.stop(self.settings.stop_grace_s)
         if self.groups.get(group.name) is not group:
@@ -345,12 +348,25 @@ class Manager:
         group = self.groups[old.name] = EngineGroup(model, self, old.replica, old.name)
         self.start_group(group)
 
-    async def state_in(self, group: EngineGroup, states: frozenset[GroupState]) -> None:
-        """Until the group's state is one of ``states`` (told by its state changes)."""
+    async def state_in(self, group: EngineGroup, states: frozenset[GroupState], timeout_s: float) -> bool:
+        """Until the group's state is one of ``states`` (told by its state changes); False past
+        ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while group.state not in states:
-            fut = asyncio.get_running_loop().create_future()
+            fut = loop.create_future()
             self.state_waiters.setdefault(group, []).append(fut)
-            await fut
+            try:
+                # event-proof: a bound on one reload's (or restart's) wait for a group it started.
+                await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def hold_s(self, model: C.ModelConfig) -> float:
+        """How long a start of ``model`` may take before a reload or restart stops waiting for it:
+        what a request would wait for it (its hold timeout, else the gateways')."""
+        return model.hold_timeout_s or self.gateway_cfg.hold_timeout_s
 
     def restart(self, model: str | None) -> list[str]:
         """An operator's restart: a model's groups (a replica's alone), or every group, one at a time
@@ -358,8 +374,11 @@ class Manager:
         targets = self.groups_of(model) if model else list(self.groups.values())
 
         async def run() -> None:
-            for group in targets:
+            for i, group in enumerate(targets):
                 await group.restart(self.settings.drain_timeout_s, self.settings.stop_grace_s)
+                if i + 1 < len(targets) and group.model == targets[i + 1].model:
+                    # A replica is serving again before its sibling goes (bounded: a start that fails).
+                    await self.state_in(group, DECIDED, self.hold_s(group.model_cfg))
 
         self.tasks.start(run(), f"restart {model or 'every model'}")
         return [g.name for g in targets]
@@ -371,7 +390,12 @@ class Manager:
             self.tasks.start(self.reload(), "reload (SIGHUP)")
 
     async def reload(self) -> tuple[bool, str]:
-        """Re-read the file, re-apply the start options, and apply only the difference."""
+        """Re-read the file, re-apply the start options, and apply only the difference; one
+        reload at a time (a second waits for the first: each compares with what is served)."""
+        async with self.reload_lock:
+            return await self._reload()
+
+    async def _reload(self) -> tuple[bool, str]:
         notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\nSTATUS=reloading")
         try:
             # Exactly the file it started with (none: the defaults), wherever reload is asked from.
@@ -385,7 +409,13 @@ class Manager:
             log.error("reload refused: %s", "; ".join(bad))
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, "\n".join(bad)
-        plan = plan_reload(list({g.model: g.model_cfg for g in self.groups.values()}.values()), self.gateway_cfg, new)
+        # A model is changed while any of its groups differs from the file (a roll that stopped short).
+        wanted = {m.name: m for m in new.models}
+        served: dict[str, C.ModelConfig] = {}
+        for g in self.groups.values():
+            if g.model not in served or g.model_cfg != wanted.get(g.model):
+                served[g.model] = g.model_cfg
+        plan = plan_reload(list(served.values()), self.gateway_cfg, new)
         clash = self.name_taken_by_adapter([*plan.added, *plan.changed])
         if clash is not None:
             log.error("reload refused: %s", clash)

@@ -114,7 +114,7 @@ class EngineGroup:
     def __init__(self, cfg: C.ModelConfig, host: GroupHost, replica: int = 0, name: str | None = None):
         # The model as configured (every replica's), and this group's share of it: its devices.
         self.model_cfg = cfg
-        self.cfg = msgspec.structs.replace(cfg, devices=C.replica_devices(cfg)[replica],
+        self.cfg = msgspec.structs.replace(cfg, devices=C.replica_devices(cfg, accelerator=has_accelerator())[replica],
                                            env={**cfg.env, **(cfg.replica_env[replica] if cfg.replica_env else {})})
         self.replica = replica
         self.model = cfg.name  # what requests name

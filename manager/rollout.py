@@ -29,14 +29,14 @@ log = logging.getLogger("manager")
 S = GroupState
 
 ROLLED, RESTARTED, KEPT = "rolled", "restarted", "kept"
-# A new group's start ends in one of these: serving, or not going to.
-DECIDED = frozenset({S.READY, S.FAILED, S.RELEASED, S.REMOVED})
+# A new group's start ends in one of these: serving, or not (an exit counts: the old one serves on).
+DECIDED = frozenset({S.READY, S.FAILED, S.RELEASED, S.REMOVED, S.EXITED, S.BACKOFF})
 
 
 def free_name(model: str, replica: int, replicas: int, taken: set[str]) -> str:
     """A group name not in use: the replica's own if free, else ``<model>@<n>``, the least n free."""
     name = group_name(model, replica, replicas)
-    n = 0
+    n = 1  # (@0 would share the plain name's engine label, 0)
     while name in taken:
         name, n = f"{model}{REPLICA_MARK}{n}", n + 1
     return name
@@ -78,9 +78,12 @@ class Rollout:
             if was is None:  # one replica more
                 self._start(EngineGroup(cfg, m, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups))))
                 continue
-            ways.append(await self._replace(was, cfg, replica))
-        if KEPT in {w.split(":")[0] for w in ways}:
-            return next(w for w in ways if w.startswith(KEPT))
+            if was.model_cfg == cfg or m.groups.get(was.name) is not was:
+                continue  # rolled by an earlier reload that stopped short; or gone meanwhile (an unload)
+            way = await self._replace(was, cfg, replica)
+            if way.startswith(KEPT):
+                return way  # the new configuration does not start: the other replicas stay as they are
+            ways.append(way)
         return RESTARTED if RESTARTED in ways else ROLLED
 
     async def _replace(self, was: EngineGroup, cfg: C.ModelConfig, replica: int) -> str:
@@ -99,9 +102,10 @@ class Rollout:
         log.info("reload: starting %s beside %s (the new configuration of model %s)", new.name, was.name, cfg.name)
         m.groups[new.name] = new
         new.start()  # (the old one serves: started whatever its autostart says)
-        await m.state_in(new, DECIDED)
+        limit = m.hold_s(cfg)
+        await m.state_in(new, DECIDED, limit)
         if new.state is not S.READY:
-            reason = new.reason or str(new.state)
+            reason = new.reason or (f"not ready within {limit:g}s" if new.state is S.STARTING else str(new.state))
             log.error("reload: %s did not start (%s); %s keeps serving the old configuration", new.name, reason,
                       was.name)
             await m.remove_group(new)

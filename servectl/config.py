@@ -356,10 +356,15 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
     return cfg
 
 
-def replica_devices(m: ModelConfig, where: str = "") -> list[str | None]:
-    """Each replica's devices (CUDA_VISIBLE_DEVICES), or None where the model names none: a
-    list has one string per replica; one string is split evenly among them, in order."""
+def replica_devices(m: ModelConfig, where: str = "", accelerator: bool = False) -> list[str | None]:
+    """Each replica's devices (CUDA_VISIBLE_DEVICES): a list has one string per replica; one
+    string is split evenly among them, in order. Where the model names none: None (vLLM's
+    first GPUs, the host's CPUs), but several replicas on a GPU host take consecutive GPUs,
+    replica i those from i × tensor_parallel_size (as vLLM's data-parallel ranks)."""
     if m.devices is None:
+        if accelerator and m.replicas > 1:
+            tp = m.tensor_parallel_size
+            return [",".join(str(i * tp + k) for k in range(tp)) for i in range(m.replicas)]
         return [None] * m.replicas
     if isinstance(m.devices, list):
         if len(m.devices) != m.replicas:

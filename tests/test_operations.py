@@ -199,19 +199,19 @@ def test_several_models_load_unload_reload(tmp_path, daemon_factory):
     applied = {c.component: c.pid for c in st.children}
     # one is rolled out: a new group beside the old (docs/operations.md), ready when reload answers
     assert "one rolled" in proc.stdout, proc.stdout
-    assert sorted(m.name for m in st.models) == ["one@0", "three"]
+    assert sorted(m.name for m in st.models) == ["one@1", "three"]
     assert not any(c.model in ("two", "one") for c in st.children), applied
-    assert applied["engine_core:one@0"] and "engine_core:one" not in applied
+    assert applied["engine_core:one@1"] and "engine_core:one" not in applied
     assert "engine_core:three" in applied
     assert applied["gateway:0"] != before["gateway:0"]  # the gateway section changed
     assert d.child("gateway:0").state == "ready"
     assert "gateway:1" in applied
     # Loading the models takes its time.
-    wait_for(lambda: {m.name: m.state for m in d.status().models} == {"one@0": "ready", "three": "ready"}
+    wait_for(lambda: {m.name: m.state for m in d.status().models} == {"one@1": "ready", "three": "ready"}
              and {c.component: c.state for c in d.status().children if c.kind == "gateway"}
              == {"gateway:0": "ready", "gateway:1": "ready"},
              300, interval=1, what="the reloaded models and gateways ready")
-    assert applied["engine_core:one@0"] == d.child("engine_core:one@0").pid  # started once, by the reload
+    assert applied["engine_core:one@1"] == d.child("engine_core:one@1").pid  # started once, by the reload
     assert api.completions.create(model="three", prompt="x", max_tokens=2).choices
     # The start option (--api-key-file) is still in force after the reload.
     assert status_of(d, "/v1/models", None) == 401
@@ -223,7 +223,7 @@ def test_several_models_load_unload_reload(tmp_path, daemon_factory):
     assert proc.returncode == 0, proc.stderr
     assert "added -; removed -; changed -; gateway unchanged" in proc.stdout, proc.stdout
     assert {c.component: c.pid for c in d.status().children} == steady
-    assert {m.name: m.state for m in d.status().models} == {"one@0": "ready", "three": "ready"}
+    assert {m.name: m.state for m in d.status().models} == {"one@1": "ready", "three": "ready"}
 
 
 def test_logs_command(daemon):

@@ -30,6 +30,9 @@ def test_one_device_string_is_split_evenly_in_order_and_a_list_is_one_per_replic
     assert C.replica_devices(model(replicas=2, devices=["3", "1"])) == ["3", "1"]
     assert C.replica_devices(model(replicas=3)) == [None, None, None]
     assert C.replica_devices(model(devices="5")) == ["5"]
+    # Without devices on a GPU host: consecutive GPUs, not every replica on GPU 0.
+    assert C.replica_devices(model(replicas=2, tensor_parallel_size=2), accelerator=True) == ["0,1", "2,3"]
+    assert C.replica_devices(model(), accelerator=True) == [None]
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -125,6 +128,11 @@ def test_a_model_with_replicas_missing_is_degraded_and_still_serves():
     assert m.reason == "1 of 2 replicas serve; chat@1 failed (3 exits within 60s)"
     m.links["chat@1"].state = L.RELEASED  # released for idleness: not missing capacity
     assert m.status == "ready"
+    m.links["chat@1"].state = L.STARTING  # a reload's new group, or one coming back
+    assert m.status == "ready"
+    m.links["chat@1"].state = L.DOWN  # crashed, in backoff
+    assert m.status == "degraded"
+    m.links["chat@1"].state = L.RELEASED
     m.links["chat@0"].state = L.DOWN
     assert m.status == "released"  # none serves: the word of the one nearest to serving
 
@@ -179,8 +187,8 @@ def test_a_rolled_out_group_takes_a_name_not_in_use():
     from manager.rollout import free_name
 
     assert free_name("chat", 0, 1, set()) == "chat"
-    assert free_name("chat", 0, 1, {"chat"}) == "chat@0"
-    assert free_name("chat", 0, 1, {"chat", "chat@0"}) == "chat@1"
+    assert free_name("chat", 0, 1, {"chat"}) == "chat@1"  # not @0: its engine label would be chat's
+    assert free_name("chat", 0, 1, {"chat", "chat@1"}) == "chat@2"
     assert free_name("chat", 1, 2, {"chat@0", "chat@1"}) == "chat@2"
     assert free_name("chat", 1, 2, {"chat@0", "chat@2"}) == "chat@1"
 
@@ -218,12 +226,14 @@ def test_a_request_a_draining_engine_bounces_goes_elsewhere_and_marks_it_drainin
     asyncio.run(scenario())
 
 
-def test_a_replica_released_for_idleness_is_woken_once_the_ready_ones_are_busy():
+def test_a_replica_released_for_idleness_is_woken_once_the_ready_ones_are_half_full():
     wakes: list[str] = []
-    m = served(link("chat@0"), link("chat@1", L.RELEASED))
+    m = served(link("chat@0", seqs=4), link("chat@1", L.RELEASED))
     m.links["chat@1"].wake = wakes.append
     assert m.pick().model == "chat@0" and wakes == []  # an idle replica serves: nothing to wake
     m.links["chat@0"].outstanding = 1
+    assert m.pick().model == "chat@0" and wakes == []  # room enough
+    m.links["chat@0"].outstanding = 2
     assert m.pick().model == "chat@0" and wakes == ["chat@1"]
 
 
