@@ -536,6 +536,7 @@ def redacted(cfg: Config) -> Config:
     out.gateway.admin_keys = [REDACTED] * len(out.gateway.admin_keys)
     for m in out.models:
         m.env = dict.fromkeys(m.env, REDACTED)
+        m.replica_env = [dict.fromkeys(env, REDACTED) for env in m.replica_env]
     return out
 
 

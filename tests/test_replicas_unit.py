@@ -254,3 +254,10 @@ def test_the_budget_and_the_start_gate_count_replicas_one_by_one(tmp_path):
     gate = StartGate(accelerator=False)
     gate.groups = groups
     assert gate.labels(first) == gate.labels(second) == ("cpu",)  # one start at a time on a CPU host
+
+
+def test_replica_environments_are_redacted_like_env():
+    shown = C.redacted(C.Config(models=[model(replicas=2, env={"HF_TOKEN": "hf_secret"},
+                                              replica_env=[{}, {"NCCL_SOCKET_IFNAME": "eth1"}])]))
+    assert shown.models[0].env == {"HF_TOKEN": C.REDACTED}
+    assert shown.models[0].replica_env == [{}, {"NCCL_SOCKET_IFNAME": C.REDACTED}]
