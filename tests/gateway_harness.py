@@ -159,3 +159,15 @@ def run(scenario, **cfg):
         async with gateway(**cfg) as h:
             await scenario(h)
     asyncio.run(main())
+
+
+def served(link):
+    """The link's model (a ServedModel of this one link), made once: where requests wait."""
+    from api_gateway.served import ServedModel
+
+    owner = getattr(link.on_change, "__self__", None)
+    if isinstance(owner, ServedModel):
+        return owner
+    model = ServedModel(link.model)
+    model.add(link)
+    return model

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
+from gateway_harness import served
 import zmq
 import zmq.asyncio
 
@@ -27,18 +29,6 @@ pytestmark = pytest.mark.unit
 
 S = LinkState
 
-
-
-def served(link):
-    """The link's model (a ServedModel of this one link), made once: where requests wait."""
-    from api_gateway.served import ServedModel
-
-    owner = getattr(link.on_change, "__self__", None)
-    if isinstance(owner, ServedModel):
-        return owner
-    model = ServedModel(link.model)
-    model.add(link)
-    return model
 
 def completion(**fields) -> H.CompletionRequest:
     return msgspec.convert({"model": "m", "prompt": "x", **fields}, H.CompletionRequest)

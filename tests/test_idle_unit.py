@@ -16,6 +16,8 @@ import asyncio
 
 import msgspec
 import pytest
+
+from gateway_harness import served
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,18 +39,6 @@ L = LinkState
 
 
 # ---- config ------------------------------------------------------------------------------
-
-
-def served(link):
-    """The link's model (a ServedModel of this one link), made once: where requests wait."""
-    from api_gateway.served import ServedModel
-
-    owner = getattr(link.on_change, "__self__", None)
-    if isinstance(owner, ServedModel):
-        return owner
-    model = ServedModel(link.model)
-    model.add(link)
-    return model
 
 def test_idle_policy_is_the_models_own_else_the_managers():
     m = C.ManagerConfig(idle_release_s=300, idle_release="sleep", sleep_level=2)
