@@ -38,6 +38,7 @@ from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
+from api_gateway.probes import Probes
 from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, ApiEndpoints, anthropic_error_body, check_kind
 from api_gateway.served import ServedModel, prefix_key
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
@@ -92,6 +93,7 @@ class Gateway:
         self.keys = KeyRing(self.cfg.api_keys, self.cfg.admin_keys)
         self.manager.on_api_keys = self.set_api_keys
         self.admin = AdminRoutes(self)
+        self.probes = Probes(self)  # /live, /ready, /kv_event_sources
         self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
@@ -114,6 +116,13 @@ class Gateway:
         """A reload rotated the keys: from the next request on, only these are accepted."""
         self.keys = KeyRing(keys.keys, keys.admin_keys)
         log.info("API keys replaced (%d API key(s), %d admin key(s))", len(keys.keys), len(keys.admin_keys))
+
+    def stop_being_ready(self) -> None:
+        """The host is stopping (SIGUSR1 from the manager): /ready fails from now on, so routers and
+        kubelets stop sending here before the drain refuses new requests."""
+        if not self.probes.unready:
+            log.info("the host is stopping: /ready answers 503 from now on")
+        self.probes.unready = True
 
     def new_request_id(self) -> str:
         # Unique across gateway processes: index, pid, random salt, counter.
@@ -412,6 +421,7 @@ class Gateway:
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         self.apis.add_to(app)
         self.admin.add_to(app)
+        self.probes.add_to(app)
         return app
 
     async def run(self, listen_fd: int) -> int:
@@ -419,6 +429,7 @@ class Gateway:
         stop = self.stop
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, self.stop_being_ready)
         raise_fd_limit()
         self.manager.connect()
         # Restarted, not fatal at once: each start asks the manager for a snapshot again, so

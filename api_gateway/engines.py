@@ -99,6 +99,7 @@ class EngineLink:
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
         self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
+        self.kv_events: dict | None = None  # where its engine publishes KV-cache events (vLLM's KVEventsConfig)
         # The LoRA adapters the model serves (the manager's word, in its events): requests may
         # name one of them instead of the model.
         self.loras: list[LoraModule] = []
@@ -337,6 +338,7 @@ class EngineLink:
         self.incarnation = msg.incarnation
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
         self.supported_tasks = list(msg.tasks)
+        self.kv_events = msg.kv_events
         if self._swap(HELLO_PENDING, S.READY):
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)
 

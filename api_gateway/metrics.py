@@ -18,7 +18,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 class Metrics:
     endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                  "/v1/messages/count_tokens", "/v1/embeddings", "/v2/embed", "/pooling", "/score", "/v1/score",
-                 "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/models", "/health", "/metrics", "/version",
+                 "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/models", "/health", "/live", "/ready",
+                 "/kv_event_sources", "/metrics", "/version",
                  "/openapi.json")
 
     def __init__(self):

@@ -70,6 +70,16 @@ def spec() -> dict:
                               "401": error, "404": error}}},
             "/health": {"get": {"responses": {"200": {"description": "every model ready"},
                                               "503": {"description": "some model not ready"}}}},
+            "/live": {"get": {"responses": {"200": {"description": "the gateway and its manager are alive"},
+                                            "503": {"description": "the manager is gone"}}}},
+            "/ready": {"get": {
+                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "this host takes new requests (for every model, or this one)"},
+                              "404": error, "503": {"description": "not ready, or the host is stopping"}}}},
+            "/kv_event_sources": {"get": {
+                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "replica → vLLM's KVEventsConfig (one model), or by model"},
+                              "404": error}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
             "/version": {"get": {"responses": {"200": {"description": "servectl version"}}}},
             **admin_paths(error),

@@ -29,6 +29,7 @@ import zmq
 from engine_core.core import EngineServer, StepFailed
 from engine_core.footprint import footprint_in_worker, group_footprint, rss_bytes
 from engine_core.idle import build_choice, device_memory_in_use
+from engine_core.kv_events import vllm_config
 from engine_core.load_errors import describe, permanent_reason
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
                                  read_key)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=spec.model.model,
                 tensor_parallel_size=tp,
                 distributed_executor_backend=executor_for(group),
-                **{**engine_args(spec.model), **idle.engine_args,
+                **{**vllm_config(engine_args(spec.model), spec.group_name, spec.replica), **idle.engine_args,
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))

@@ -475,6 +475,10 @@ class Manager:
         try:
             notify("STOPPING=1")
             drain = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+            if self.settings.unready_grace_s:
+                log.info("stopping: /ready fails for %.1fs before new requests are refused",
+                         self.settings.unready_grace_s)
+                await self.gateways.stop_being_ready(self.settings.unready_grace_s)
             log.info("stopping: draining gateways (up to %.0fs)", drain)
             await self.gateways.stop_all(drain + self.settings.stop_grace_s)
             for group in self.groups.values():

@@ -184,6 +184,14 @@ class GatewayPool:
             gw.child.signal(signal.SIGTERM)
             await self.host.wait_exit([gw.child], grace_s)
 
+    async def stop_being_ready(self, grace_s: float) -> None:
+        """Every gateway's /ready fails (SIGUSR1); new requests are still served for ``grace_s``."""
+        for gw in self.members:
+            if gw.child.alive:
+                gw.child.signal(signal.SIGUSR1)
+        # event-proof: the operator's configured grace, once, on the way out.
+        await asyncio.sleep(grace_s)
+
     async def stop_all(self, grace_s: float) -> None:
         await asyncio.gather(*(self.stop(gw, grace_s) for gw in self.members))
         # No gateway accepts any more: close the socket so clients are refused, not queued.

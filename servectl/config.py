@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from servectl import kv_events
 from servectl.wire.vocab import IdleMode
 from servectl.memory import Amount, check_budget, parse_size
 
@@ -105,6 +106,9 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     crash_loop_window_s: PositiveFloat = 120.0
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     stop_grace_s: PositiveFloat = 10.0
+    # On a stop, /ready fails this long before new requests are refused: routers and kubelets
+    # probing it stop sending here first (set it to their probe period times failure threshold).
+    unready_grace_s: NonNegativeFloat = 0.0
     # Engine's wait for a worker reply where a call may legitimately be slow (its first steps,
     # a step larger than any seen, loading); past it the group is hung.
     worker_reply_timeout_s: PositiveFloat = 120.0
@@ -335,6 +339,10 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             raise ConfigError(f"config error{where}: models.{m.name}: enable_auto_tool_choice needs tool_call_parser "
                               "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
+        try:
+            kv_events.resolve(m.engine_args, cfg.gateway.host)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"config error{where}: models.{m.name}.engine_args.{kv_events.KEY}: {exc}") from None
         m.lora_modules = lora_modules(m, where)
         replica_devices(m, where)
         if m.replica_env and len(m.replica_env) != m.replicas:
@@ -346,6 +354,9 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"config error{where}: models.{m.name}.expected_memory: {exc}") from None
     check_lora_names(cfg.models, where)
+    clash = kv_events.port_clash(cfg.models, cfg.gateway.host, cfg.gateway.port)
+    if clash:
+        raise ConfigError(f"config error{where}: {clash}")
     try:
         check_budget(cfg.manager.memory_budget)
     except ValueError as exc:

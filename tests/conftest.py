@@ -348,6 +348,9 @@ TOOL_MODELS = {
                                 "--reasoning-parser", "qwen3"], 2048),
     "default-hermes": (DEFAULT_MODEL_DIR, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], 512),
 }
+# Both publish vLLM's KV-cache events (tests/test_kv_events.py): `tools` on the default
+# endpoint (the gateway's host, port 5557), `default-hermes` on this port.
+TOOLS_KV_EVENTS_PORT = 5571
 TOOLS_CONFIG = f"""[manager]
 warm_standby = false
 [[models]]
@@ -358,6 +361,7 @@ tool_call_parser = "hermes"
 [models.engine_args]
 dtype = "float32"
 reasoning_parser = "qwen3"
+kv_events_config = {{ enable_kv_cache_events = true }}
 [[models]]
 name = "default-hermes"
 model = "{DEFAULT_MODEL_DIR}"
@@ -365,6 +369,7 @@ enable_auto_tool_choice = true
 tool_call_parser = "hermes"
 [models.engine_args]
 dtype = "float32"
+kv_events_config = {{ enable_kv_cache_events = true, endpoint = "tcp://127.0.0.1:{TOOLS_KV_EVENTS_PORT}" }}
 """
 
 

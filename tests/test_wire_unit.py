@@ -146,7 +146,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.MetricsRequest: [EP.MetricsRequest()],
     # engine: engine → gateway
     EP.HelloReply: [EP.HelloReply(version=1, incarnation="abc", model="m.1", max_model_len=512, max_num_seqs=8,
-                                  rejected_frames=3, tasks=["embed", "token_embed"])],
+                                  rejected_frames=3, tasks=["embed", "token_embed"],
+                                  kv_events={"endpoint": "tcp://127.0.0.1:5557", "topic": ""})],
     EP.PromptInfo: [EP.PromptInfo(tokens=3, token_ids=[0, 5, 6], echo_text="def ",
                                   echo_logprobs=[["<s>", None, None, None], ["def", -1.0, [["def", -1.0]], None]],
                                   prompt_logprobs=[None, {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "def"}}],

@@ -120,6 +120,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     # What the model does (vLLM's supported tasks: "generate", or pooling ones such as "embed",
     # "classify", "token_embed"): which endpoints it answers.
     tasks: list[str] = []
+    # Where the engine publishes vLLM's KV-cache events (vLLM's KVEventsConfig as a dict, as
+    # `vllm serve`'s /kv_event_sources answers it); None with events off.
+    kv_events: dict[str, Any] | None = None
 
 
 class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):

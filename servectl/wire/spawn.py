@@ -28,7 +28,7 @@ from typing import Literal
 import msgspec
 
 from servectl.config import NAME_PATTERN, Config, GatewayConfig, LoraModule, ModelConfig, Overrides
-from servectl.wire.vocab import EventKind, IdleMode
+from servectl.wire.vocab import REPLICA_MARK, EventKind, IdleMode
 
 # A component name's first part is its kind.
 ENGINE, WORKER, GATEWAY, STANDBY, MODEL = (EventKind.ENGINE, EventKind.WORKER, EventKind.GATEWAY, EventKind.STANDBY,
@@ -162,9 +162,6 @@ def resolve_fd_args(argv: list[str], fds: list[int]) -> list[str]:
 
 
 # ---- names -------------------------------------------------------------------------
-
-REPLICA_MARK = "@"
-
 
 def group_name(model: str, replica: int, replicas: int) -> str:
     """An engine group's name: the model's for its only group, ``<model>@<replica>`` for each of several."""

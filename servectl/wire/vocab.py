@@ -122,3 +122,7 @@ class ExitCode(enum.IntEnum):
 # What the gateways say for a model with replicas (one engine group each) some of which serve
 # while others do not (failed, down, restarting); it serves. No engine group is ever in it.
 DEGRADED = "degraded"
+
+# Between a model's name and a replica's number in an engine group's name (``<model>@<n>``);
+# never in a model's name (servectl.config.NAME_PATTERN).
+REPLICA_MARK = "@"
