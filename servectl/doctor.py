@@ -32,12 +32,17 @@ def installed(dist: str) -> bool:
         return False
 
 
+# What the test suite runs beyond pip, and the Debian package each comes in: systemd-analyze
+# (the unit file test), ip (network namespaces standing in for hosts: tests/test_hosts.py).
+TEST_COMMANDS = [("systemd-analyze", "systemd"), ("ip", "iproute2")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m servectl.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fix", action="store_true", help="uninstall torch add-ons that fail to import")
     ap.add_argument("--tests", action="store_true",
-                    help="also install what the test suite needs beyond pip (systemd-analyze, from Debian)")
+                    help="also install what the test suite needs beyond pip (from Debian: TEST_COMMANDS)")
     args = ap.parse_args(argv)
     problems = 0
     broken = [p for p in OPTIONAL_TORCH_PACKAGES if installed(p) and not imports(p)]
@@ -49,14 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"broken: {', '.join(broken)} (run with --fix)")
             problems += 1
-    if args.tests and not shutil.which("systemd-analyze"):
-        print("installing Debian's systemd package for systemd-analyze (the unit file test)")
+    missing = [(cmd, pkg) for cmd, pkg in TEST_COMMANDS if not shutil.which(cmd)] if args.tests else []
+    if missing:
+        packages = sorted({pkg for _, pkg in missing})
+        print(f"installing Debian's {', '.join(packages)} for {', '.join(cmd for cmd, _ in missing)} (the tests)")
         subprocess.run(["apt-get", "update", "-q"], check=False, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "systemd"], check=False,
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages], check=False,
                        stdout=subprocess.DEVNULL)
-        if not shutil.which("systemd-analyze"):
-            print("systemd-analyze is still missing")
-            problems += 1
+        for cmd, _ in missing:
+            if not shutil.which(cmd):
+                print(f"{cmd} is still missing")
+                problems += 1
     if not imports("vllm"):
         print("vllm does not import: install servectl with the `cpu` or `gpu` extra")
         problems += 1
