@@ -225,6 +225,17 @@ def stream(url: str, prompt: str, max_tokens: int, model: str = "default") -> di
     return out
 
 
+def longest_gap(results: list[dict]) -> float:
+    """The longest wait any client had for its next token (between two tokens of a request, or
+    from sending one to its first token), over requests that finished."""
+    gaps = [0.0]
+    for r in results:
+        if r["done"] and r["times"]:
+            points = [r["sent"], *r["times"]]
+            gaps.append(max(b - a for a, b in zip(points, points[1:])))
+    return max(gaps)
+
+
 class Load:
     """``n`` clients streaming through ``url`` one request after another until the block ends.
     Enter it inside the namespace the clients belong in: its threads start there."""
@@ -251,12 +262,3 @@ class Load:
         for t in self.threads:
             t.join(180)
 
-    def longest_gap(self) -> float:
-        """The longest wait any client had for its next token (between two tokens of a request, or
-        from sending one to its first token), over requests that finished."""
-        gaps = [0.0]
-        for r in self.results:
-            if r["done"] and r["times"]:
-                points = [r["sent"], *r["times"]]
-                gaps.append(max(b - a for a, b in zip(points, points[1:])))
-        return max(gaps)
