@@ -43,11 +43,13 @@ READY_STATES = frozenset({ModelState.READY, DEGRADED, *IDLE_RELEASED})
 def model_readiness(served: ServedModel) -> dict:
     """One model's answer in /ready: ready or not, its state, and why not."""
     state = served.status
-    body: dict = {"ready": state in READY_STATES, "state": state}
-    if state in IDLE_RELEASED:
+    unfit = served.unfit  # released, but too large for its memory budget: a request is a 503
+    body: dict = {"ready": state in READY_STATES and not unfit, "state": state}
+    if state in IDLE_RELEASED and not unfit:
         body["wakes_on_request"] = True
-    if state is not ModelState.READY and served.reason:
-        body["reason"] = served.reason
+    reason = unfit or served.reason
+    if state is not ModelState.READY and reason:
+        body["reason"] = reason
     return body
 
 

@@ -37,6 +37,11 @@ def test_ready_follows_the_model_and_live_does_not():
         status, body = await get(h, "/ready")
         assert status == 200 and body["models"][MODEL] == {"ready": True, "state": "released",
                                                            "wakes_on_request": True}, body
+        h.link.set_unfit("needs 9 GiB, the budget is 4 GiB")  # released for good: a request is a 503
+        status, body = await get(h, "/ready")
+        assert status == 503 and body["models"][MODEL] == {"ready": False, "state": "released",
+                                                           "reason": "needs 9 GiB, the budget is 4 GiB"}, body
+        h.link.set_unfit(None)
         h.model_state("failed", reason="crash loop")
         status, body = await get(h, "/ready")
         assert status == 503 and body["models"][MODEL] == {"ready": False, "state": "failed",
