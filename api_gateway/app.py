@@ -39,6 +39,7 @@ from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.probes import Probes
+from api_gateway.ui import UiRoutes
 from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, ApiEndpoints, anthropic_error_body, check_kind
 from api_gateway.served import ServedModel, prefix_key
 from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
@@ -94,6 +95,7 @@ class Gateway:
         self.manager.on_api_keys = self.set_api_keys
         self.admin = AdminRoutes(self)
         self.probes = Probes(self)  # /live, /ready, /kv_event_sources
+        self.ui = UiRoutes(self, spec.ui_secret)  # the status page, /ui
         self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
@@ -422,6 +424,7 @@ class Gateway:
         self.apis.add_to(app)
         self.admin.add_to(app)
         self.probes.add_to(app)
+        self.ui.add_to(app)
         return app
 
     async def run(self, listen_fd: int) -> int:

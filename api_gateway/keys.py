@@ -59,6 +59,12 @@ class KeyRing:
             return Access.NONE
         return Access.ADMIN if admin else Access.API if api else Access.NONE
 
+    def access_of(self, key_id: str) -> Access:
+        """What the configured key with this fingerprint opens now (NONE: no such key any more)."""
+        if any(fingerprint(k) == key_id for k in self.admin):
+            return Access.ADMIN
+        return Access.API if any(fingerprint(k) == key_id for k in self.api) else Access.NONE
+
 
 class RefusalBudget:
     """How many refused management calls a gateway reports one by one: ``per_s`` a second,

@@ -69,6 +69,7 @@ class ManagerLink:
         self.control: zmq.asyncio.Socket | None = None
         self.component = ""  # ours in the manager's words (set by send_ready)
         self.on_api_keys = lambda keys: None  # a reload rotated the API or admin keys (MP.ApiKeys)
+        self.on_event = lambda ev: None  # every manager event, as it comes (the status page's)
 
     def _new_link(self, group: str) -> EngineLink:
         link = EngineLink(group, str(self.paths.engine(group)), self.ctx, self.identity.encode(), wake=self.wake,
@@ -110,6 +111,7 @@ class ManagerLink:
                         ev = MP.event_decoder.decode(body)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
+                    self.on_event(ev)
                     if ev.kind is EventKind.MODEL and ev.model:
                         # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s,
@@ -181,7 +183,7 @@ class ManagerLink:
         msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
         self.tasks.start(self._report(msg), f"report {link.model} hung")
 
-    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack | MP.LoraReply:
+    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack | MP.LoraReply | MP.LogLines:
         """One request to the manager and its answer, on a connection of its own (as the CLI's),
         so the answer cannot be confused with what the manager sends the gateway's own socket."""
         sock = self.ctx.socket(zmq.DEALER)
@@ -196,7 +198,7 @@ class ManagerLink:
                 reply = MP.control_out_decoder.decode(await sock.recv())
         finally:
             sock.close()
-        if not isinstance(reply, (MP.StatusReply, MP.Ack, MP.LoraReply)):
+        if not isinstance(reply, (MP.StatusReply, MP.Ack, MP.LoraReply, MP.LogLines)):
             raise ValueError(f"unexpected answer {type(reply).__name__}")
         return reply
 

@@ -66,16 +66,30 @@ class Metrics:
         self._last_state[component] = state
         self.child_states.labels(component=component, state=state).set(1)
 
+    def collected(self) -> CollectorRegistry:
+        """Our metrics: every gateway's (multiprocess), or this one's."""
+        if not self.multiprocess:
+            return self.registry
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+
     def render(self, engines: list[str] = ()) -> tuple[bytes, str]:
         """Our metrics, then the engines' own (``vllm:*``, as each engine rendered them), merged."""
-        if self.multiprocess:
-            from prometheus_client import multiprocess
+        return generate_latest(self.collected()) + merge_exposition(engines), CONTENT_TYPE_LATEST
 
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-        else:
-            registry = self.registry
-        return generate_latest(registry) + merge_exposition(engines), CONTENT_TYPE_LATEST
+    def generated_tokens(self) -> dict[str, float]:
+        """Tokens generated so far by model, by every gateway of the daemon."""
+        totals: dict[str, float] = {}
+        for family in self.collected().collect():
+            if family.name == "servectl_generation_tokens":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        model = sample.labels.get("model", "")
+                        totals[model] = totals.get(model, 0.0) + sample.value
+        return totals
 
 
 def merge_exposition(texts: list[str]) -> bytes:

@@ -46,7 +46,8 @@ log = logging.getLogger("manager")
 
 # Messages only the manager's own children send: accepted only from the very process
 # (by the kernel's pid of the connection) that may send each.
-FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused)
+# A gateway's LogTail is the status page's (api_gateway/ui.py): logs can hold request text.
+FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused, P.LogTail)
 FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged,
                 P.LoraDone)
 FROM_CHILDREN = (*FROM_GATEWAYS, *FROM_ENGINES, P.ChildReady)
@@ -100,6 +101,7 @@ class ControlServer:
             P.GroupReleased: self.on_group_released,
             P.WakeModel: self.on_wake_model,
             P.StatusRequest: self.on_status,
+            P.LogTail: self.on_log_tail,
             P.WaitSettled: self.on_wait_settled,
             P.StopRequest: self.on_stop,
             P.RestartRequest: self.on_restart,
@@ -292,6 +294,14 @@ class ControlServer:
     # ---- from the CLI --------------------------------------------------------------------
     def on_status(self, caller: Caller, msg: P.StatusRequest) -> None:
         self.reply(caller, self.manager.status())
+
+    def on_log_tail(self, caller: Caller, msg: P.LogTail) -> None:
+        child = self.manager.child(msg.component)
+        if child is None:
+            self.reply(caller, P.LogLines(component=msg.component, lines=[], written=0, known=False))
+            return
+        sink = child.sink
+        self.reply(caller, P.LogLines(component=msg.component, lines=sink.since(msg.after), written=sink.written))
 
     def on_wait_settled(self, caller: Caller, msg: P.WaitSettled) -> None:
         if self.manager.settled() and not self.manager.shutting_down:

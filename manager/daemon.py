@@ -260,9 +260,16 @@ class Manager:
             log.info("settled: %s", {g.name: str(g.state) for g in self.groups.values()})
         self.control.notify_settled()
 
+    def children(self) -> list:
+        return [*self.gateways.children(),
+                *(c for g in self.groups.values() for c in [*g.children, *self.standbys.of_model(g.name)])]
+
+    def child(self, component: str):
+        """A supervised process by its component name (None if there is none now)."""
+        return next((c for c in self.children() if c.component == component), None)
+
     def status(self) -> P.StatusReply:
-        children = [*self.gateways.children(),
-                    *(c for g in self.groups.values() for c in [*g.children, *self.standbys.of_model(g.name)])]
+        children = self.children()
         return P.StatusReply(
             version=P.PROTOCOL_VERSION, instance=self.instance, manager_pid=os.getpid(), started_at=self.started_at,
             state=self.state, port=self.gateways.port, host=self.gateway_cfg.host, state_dir=str(self.state_dir),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -75,6 +76,9 @@ class GatewayPool:
         self.listen_sock: socket.socket | None = None
         self.port = host.gateway_cfg.port
         self.members = [GatewayProcess(i, self) for i in range(host.gateway_cfg.processes)]
+        # Signs the status page's sessions (api_gateway/ui.py): one per daemon, shared by its gateways
+        # (a page's requests may reach any of them), never written anywhere but their specs' memfds.
+        self.ui_secret = secrets.token_hex(32)
 
     def children(self) -> list[Child]:
         return [gw.child for gw in self.members]
@@ -100,7 +104,8 @@ class GatewayPool:
         # The spec carries the API keys: a memfd the gateway inherits, never its argv.
         spec = spec_fd(GatewaySpec(
             index=gw.index, runtime_dir=str(host.runtime_dir), instance=host.instance, gateway=host.gateway_cfg,
-            models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s), "servectl-gateway-spec")
+            models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s,
+            ui_secret=self.ui_secret), "servectl-gateway-spec")
         fd = self.listen_sock.fileno()
         env = host.child_env({"PROMETHEUS_MULTIPROC_DIR": str(host.metrics_dir)})
         try:

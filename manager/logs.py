@@ -32,6 +32,7 @@ class LogSink:
         self.rotate_bytes = rotate_bytes
         self.journal = journal
         self.lines: deque[str] = deque(maxlen=200)
+        self.written = 0  # lines written since it was made (the status page follows by this count)
         self._partial = b""
         self._file = None
         self._size = 0
@@ -51,6 +52,7 @@ class LogSink:
             return
         text = [line.decode("utf-8", "replace") for line in complete]
         self.lines.extend(text)
+        self.written += len(text)
         if self.journal:
             sys.stderr.write("".join(f"{self.component}: {line}\n" for line in text))
             sys.stderr.flush()
@@ -88,6 +90,10 @@ class LogSink:
 
     def tail(self, n: int) -> list[str]:
         return list(self.lines)[-n:]
+
+    def since(self, after: int) -> list[str]:
+        """The lines after the ``after``-th written (as many as are still kept)."""
+        return list(self.lines)[-min(len(self.lines), max(0, self.written - after)):] if self.written > after else []
 
 
 class OwnLogRotation(logging.Handler):

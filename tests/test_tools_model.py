@@ -93,7 +93,7 @@ def test_tool_training_script_smoke(tmp_path):
     assert st["steps"] == 3 and st["smoke"] and "tool_call" in st["held_out_eval"]
 
 
-def test_wheel_ships_both_models(tmp_path):
+def test_wheel_ships_the_models_and_the_pages_assets(tmp_path):
     """Build the wheel from a copy of the source (no build/ or egg-info left in the checkout)."""
     src = tmp_path / "src"
     src.mkdir()
@@ -112,3 +112,6 @@ def test_wheel_ships_both_models(tmp_path):
             assert f"servectl/model/{model}/{f.name}" in names, (model, f.name)
     for f in SHIPPED:
         assert f"servectl/model/tools/{f}" in names, f
+    # The status page's assets (issue 38): in the package, nothing fetched at run time.
+    for f in (ROOT / "api_gateway" / "ui").iterdir():
+        assert f"api_gateway/ui/{f.name}" in names, f.name

@@ -123,6 +123,14 @@ class StatusRequest(_Msg, tag="status"):
     pass
 
 
+class LogTail(_Msg, tag="log_tail"):
+    """Gateway → manager: a component's output lines after the ``after``-th (0: its last ones
+    kept in memory), for the status page's live log. Owner only: logs can hold request text."""
+
+    component: str
+    after: int = 0
+
+
 class WaitSettled(_Msg, tag="wait_settled"):
     """Reply when every model is ready or failed (the CLI's `start` waits on it)."""
 
@@ -230,7 +238,7 @@ class LoraDone(_Msg, tag="lora_done"):
 ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
                   StepDeadlineChanged, KeysApplied, LoraDone, LoadLora, UnloadLora,
                   StatusRequest, WaitSettled, StopRequest, RestartRequest, SetFreezing, ReloadRequest, LoadModel,
-                  LoadConfigured, UnloadModel, HttpRefused, WakeModel]
+                  LoadConfigured, UnloadModel, HttpRefused, WakeModel, LogTail]
 
 # What the read-only socket (control-ro) takes, the questions that change nothing: the CLI
 # sends these there (a group-shared runtime directory's group may reach it), everything else
@@ -357,7 +365,17 @@ class LoraReply(_Msg, tag="lora_reply"):
     loras: list[LoraModule] = []
 
 
-ControlOut = Union[StatusReply, Ack, ApiKeys, LoraReply]
+class LogLines(_Msg, tag="log_lines"):
+    """The lines a ``LogTail`` asked for (those still kept: the last 200) and the count of lines
+    the component has written, the next ``after``; ``known``: the component exists."""
+
+    component: str
+    lines: list[str]
+    written: int
+    known: bool = True
+
+
+ControlOut = Union[StatusReply, Ack, ApiKeys, LoraReply, LogLines]
 
 
 # ---- manager → whoever started it (JSON on the --report-fd pipe, then it exits) ----

@@ -95,6 +95,9 @@ class GatewaySpec(msgspec.Struct, kw_only=True):
     gateway: GatewayConfig
     models: list[str]
     drain_timeout_s: float = 30.0
+    # The key that signs the status page's session cookies (api_gateway/ui.py), the same for every
+    # gateway of the daemon; "" (tests): each gateway makes its own.
+    ui_secret: str = ""
 
 
 class Role(msgspec.Struct, kw_only=True):

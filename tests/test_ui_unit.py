@@ -1,0 +1,108 @@
+"""The status page's pure parts and its routes on a real gateway (no manager, no vLLM):
+sessions, CSRF, who may see what, headers, assets."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import aiohttp
+import pytest
+
+from api_gateway.keys import Access, KeyRing, fingerprint
+from api_gateway.ui import ASSETS, COOKIE, CSP, STATIC, Sessions
+from gateway_harness import run
+
+pytestmark = pytest.mark.unit
+
+API, ADMIN = "api-key-0123456789abcdef", "admin-key-0123456789abcdef"
+
+
+def test_a_session_opens_what_its_key_opens_while_the_key_is_configured():
+    keys = KeyRing([API], [ADMIN])
+    s = Sessions(b"k" * 32, ttl_s=100)
+    admin = s.issue(Access.ADMIN, fingerprint(ADMIN), 1000)
+    api = s.issue(Access.API, fingerprint(API), 1000)
+    assert s.check(admin, keys, 1050) is Access.ADMIN
+    assert s.check(api, keys, 1050) is Access.API
+    assert s.check(admin, keys, 1101) is Access.NONE  # expired
+    assert s.check(admin, keys, 999) is Access.NONE  # from the future
+    assert s.check(admin, KeyRing([API], []), 1050) is Access.NONE  # its key was removed
+    assert s.check(admin, KeyRing([API, ADMIN], []), 1050) is Access.API  # demoted: an API key now
+    assert s.check(api, KeyRing([], [API]), 1050) is Access.API  # promoted keys do not promote sessions
+    assert s.check(admin, keys, 1050) is not Access.NONE
+    forged = admin.replace(".admin.", ".admin.", 1)[:-1] + ("0" if admin[-1] != "0" else "1")
+    assert s.check(forged, keys, 1050) is Access.NONE
+    assert s.check(api.replace("api.", "admin.", 1), keys, 1050) is Access.NONE  # the MAC covers the level
+    assert Sessions(b"j" * 32).check(admin, keys, 1050) is Access.NONE  # another daemon's secret
+    for junk in ("", "a.b", "x" * 300, "admin.x.y.z.w"):
+        assert s.check(junk, keys, 1050) is Access.NONE
+    assert s.csrf(admin) == s.csrf(admin) != s.csrf(api)
+
+
+async def fetch(h, method: str, path: str, cookie: str | None = None, **kw):
+    headers = kw.pop("headers", {})
+    if cookie:
+        headers["Cookie"] = f"{COOKIE}={cookie}"
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, h.url + path, headers=headers, allow_redirects=False, **kw) as r:
+            return r.status, dict(r.headers), await r.text(), r.cookies
+
+
+def test_the_page_needs_a_key_when_the_api_does_and_login_sets_a_strict_cookie():
+    async def scenario(h):
+        status, headers, text, _ = await fetch(h, "GET", "/ui")
+        assert status == 200 and "<form" in text and "sign in" in text
+        assert headers["Content-Security-Policy"] == CSP and "'unsafe-inline'" not in CSP
+        assert (await fetch(h, "GET", "/ui/stream"))[0] == 401
+        status, _, text, _ = await fetch(h, "POST", "/ui/login", data={"key": "nope"})
+        assert status == 401 and "not one this server accepts" in text
+        status, headers, _, cookies = await fetch(h, "POST", "/ui/login", data={"key": API})
+        assert status == 303 and headers["Location"] == "/ui"
+        morsel = cookies[COOKIE]
+        assert morsel["httponly"] and morsel["samesite"] == "Strict" and morsel["path"] == "/ui"
+        status, _, text, _ = await fetch(h, "GET", "/ui", cookie=morsel.value)
+        assert status == 200 and 'src="/ui/static/ui.js"' in text
+        # A login posted by another site's page is refused (the form's Origin is checked).
+        status, *_ = await fetch(h, "POST", "/ui/login", data={"key": API},
+                                 headers={"Origin": "http://evil.example"})
+        assert status == 403
+    run(scenario, api_keys=[API], admin_keys=[ADMIN])
+
+
+def test_buttons_and_logs_need_an_admin_session_and_its_csrf_token():
+    async def scenario(h):
+        sessions = h.gw.ui.sessions
+        api = sessions.issue(Access.API, fingerprint(API), time.time())
+        admin = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time())
+        body = {"verb": "restart", "model": "m"}
+        assert (await fetch(h, "POST", "/ui/action", api, json=body,
+                            headers={"X-CSRF-Token": sessions.csrf(api)}))[0] == 403
+        assert (await fetch(h, "POST", "/ui/action", admin, json=body))[0] == 403  # no token
+        assert (await fetch(h, "POST", "/ui/action", admin, json=body,
+                            headers={"X-CSRF-Token": sessions.csrf(api)}))[0] == 403  # another session's
+        assert (await fetch(h, "POST", "/ui/action", admin, json={"verb": "rm", "model": "m"},
+                            headers={"X-CSRF-Token": sessions.csrf(admin)}))[0] == 400
+        assert (await fetch(h, "GET", "/ui/stream?log=gateway:0", api))[0] == 403
+    run(scenario, api_keys=[API], admin_keys=[ADMIN])
+
+
+def test_an_open_api_shows_the_page_and_only_listed_assets_are_served():
+    async def scenario(h):
+        status, _, text, _ = await fetch(h, "GET", "/ui")
+        assert status == 200 and 'src="/ui/static/ui.js"' in text  # no API keys: open, as the API
+        for name, kind in STATIC.items():
+            status, headers, _, _ = await fetch(h, "GET", f"/ui/static/{name}")
+            assert status == 200 and headers["Content-Type"].startswith(kind), name
+        for name in ("index.html", "..%2fapp.py", "login.html", "nope.js"):
+            assert (await fetch(h, "GET", f"/ui/static/{name}"))[0] == 404, name
+    run(scenario)
+
+
+def test_the_script_writes_text_only():
+    """Every value from the server reaches the DOM as text: the script never parses HTML."""
+    script = (ASSETS / "ui.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in script, sink
+    page = (ASSETS / "index.html").read_text()
+    assert "<script>" not in page and not re.search(r"\son[a-z]+\s*=", page)  # no inline code
