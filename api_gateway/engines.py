@@ -100,6 +100,7 @@ class EngineLink:
         self.max_model_len: int | None = None
         self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
         self.kv_events: dict | None = None  # where its engine publishes KV-cache events (vLLM's KVEventsConfig)
+        self.kv_events_rank = 0  # the rank its event batches carry
         # The LoRA adapters the model serves (the manager's word, in its events): requests may
         # name one of them instead of the model.
         self.loras: list[LoraModule] = []
@@ -338,7 +339,7 @@ class EngineLink:
         self.incarnation = msg.incarnation
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
         self.supported_tasks = list(msg.tasks)
-        self.kv_events = msg.kv_events
+        self.kv_events, self.kv_events_rank = msg.kv_events, msg.kv_events_rank
         if self._swap(HELLO_PENDING, S.READY):
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)
 

@@ -29,7 +29,6 @@ from aiohttp import web
 from api_gateway.errors import HttpError
 from api_gateway.link_state import LinkState
 from servectl.proc import PARENT_ENV
-from servectl.kv_events import group_number
 from servectl.wire.vocab import DEGRADED, IDLE_RELEASED, ModelState
 
 if TYPE_CHECKING:
@@ -90,8 +89,8 @@ class Probes:
     async def kv_event_sources(self, request: web.Request) -> web.Response:
         one = request.query.get("model") is not None or len(self.g.served) == 1
         wanted = self._wanted(request)
-        by_model = {name: {str(group_number(group)): link.kv_events
-                           for group, link in sorted(served.links.items())
+        by_model = {name: {str(link.kv_events_rank): link.kv_events
+                           for link in sorted(served.links.values(), key=lambda link: link.kv_events_rank)
                            if link.kv_events is not None and link.state is LinkState.READY}
                     for name, served in sorted(wanted.items())}
         if one:

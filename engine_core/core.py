@@ -31,7 +31,7 @@ from engine_core import metrics as engine_metrics
 from engine_core.coalesce import HeldOutput
 from engine_core.control_handlers import ManagerMessages
 from engine_core.idle import IdleClock, IdleRelease
-from engine_core.kv_events import published_config
+from engine_core.kv_events import published
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.resume import add_continued
@@ -205,10 +205,11 @@ class EngineServer(ManagerMessages):
 
     # ---- one handler per gateway message ---------------------------------------
     def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
+        kv_events, rank = published()
         self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
                                       model=self.spec.model.name, max_model_len=self.max_model_len,
                                       max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
-                                      tasks=list(self.tasks), kv_events=published_config()))
+                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank))
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)

@@ -21,7 +21,6 @@ batches buffered since and an end marker), but:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -92,10 +91,10 @@ class SleepingZmqPublisher:
             events.data_parallel_rank = self.rank
         seq = next(self.seqs)
         payload = self.encoder.encode(events)
-        self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
-        if self.buffer is not None:
+        if self.buffer is not None:  # kept first: a replay asked for meanwhile includes it
             with self.lock:
                 self.buffer.append((seq, payload))
+        self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
 
     def _serve_replay(self) -> None:
         poller = zmq.Poller()
@@ -105,55 +104,66 @@ class SleepingZmqPublisher:
             ready = dict(poller.poll())  # event-proof: no timeout; a replay request or shutdown wakes it
             if self.wake_in in ready:
                 return
-            frame = self.replay.recv_multipart()
-            if len(frame) != 3:
-                log.warning("a replay request of %d frame(s), not 3: ignored", len(frame))
-                continue
-            client, _, start = frame
-            first = int.from_bytes(start, "big")
-            with self.lock:
-                batches = [item for item in self.buffer if item[0] >= first]
-            for seq, payload in batches:
-                self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            try:
+                self._answer_replay(self.replay.recv_multipart())
+            except Exception:  # noqa: BLE001 - one bad request; replays go on
+                log.exception("answering a KV-events replay request")
+
+    def _answer_replay(self, frame: list[bytes]) -> None:
+        if len(frame) != 3:
+            log.warning("a replay request of %d frame(s), not 3: ignored", len(frame))
+            return
+        client, _, start = frame
+        first = int.from_bytes(start, "big")
+        with self.lock:
+            batches = [item for item in self.buffer if item[0] >= first]
+        for seq, payload in batches:
+            self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def shutdown(self) -> None:
         if self.replay_thread is not None:
             self.wake_out.send(b"")
             self.replay_thread.join(timeout=1.0)
-            for sock in (self.replay, self.wake_in, self.wake_out):
-                sock.close(linger=0)
+            if not self.replay_thread.is_alive():  # else its sockets are its own to the end (a daemon thread)
+                for sock in (self.replay, self.wake_in):
+                    sock.close(linger=0)
+            self.wake_out.close(linger=0)
         self.pub.close(linger=0)
 
 
 _publishers: list[SleepingZmqPublisher] = []  # the one this engine's scheduler made
+_rank = [0]  # the rank its batches carry: the group's slot (vllm_config)
 
 
 def _made(**kwargs) -> SleepingZmqPublisher:
-    publisher = SleepingZmqPublisher(**kwargs)
+    publisher = SleepingZmqPublisher(**kwargs, rank=_rank[0])
     _publishers[:] = [publisher]
     return publisher
 
 
-def published_config() -> dict[str, Any] | None:
-    """Where this engine publishes (vLLM's KVEventsConfig as /kv_event_sources shows it), or None."""
-    return asdict(_publishers[0].config) if _publishers else None
+def published() -> tuple[dict[str, Any] | None, int]:
+    """Where this engine publishes (vLLM's KVEventsConfig as /kv_event_sources shows it, or None)
+    and the rank its batches carry."""
+    return (asdict(_publishers[0].config), _publishers[0].rank) if _publishers else (None, 0)
 
 
-def vllm_config(engine_args: dict[str, Any], group: str, replica: int) -> dict[str, Any]:
+def vllm_config(engine_args: dict[str, Any], host: str, slot: int) -> dict[str, Any]:
     """The engine arguments with ``kv_events_config`` made vLLM's ``KVEventsConfig`` on this
-    group's endpoints and servectl's publisher (registered here), where events are on."""
+    group's endpoints (``host``: the default's; ``slot``: the manager's) and servectl's
+    publisher (registered here), where events are on."""
     cfg = kv_events.events_config(engine_args)
     if cfg is None:
         return engine_args
     from vllm.config.kv_events import KVEventsConfig
     from vllm.distributed.kv_events import EventPublisherFactory
 
+    _rank[:] = [max(slot, 0)]
     try:
-        EventPublisherFactory.register_publisher(PUBLISHER, functools.partial(_made, rank=replica))
+        EventPublisherFactory.register_publisher(PUBLISHER, _made)
     except KeyError:
         pass  # registered by an earlier build in this process
-    fields = {key: value for key, value in kv_events.for_group(cfg, group).items()
+    fields = {key: value for key, value in kv_events.for_slot(cfg, slot, host).items()
               if key in {f for f in asdict(KVEventsConfig())}}
     config = KVEventsConfig(**{**fields, "publisher": "zmq"})
     config.publisher = PUBLISHER  # KVEventsConfig's Literal knows only vLLM's names; the factory knows ours

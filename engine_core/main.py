@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=spec.model.model,
                 tensor_parallel_size=tp,
                 distributed_executor_backend=executor_for(group),
-                **{**vllm_config(engine_args(spec.model), spec.group_name, spec.replica), **idle.engine_args,
+                **{**vllm_config(engine_args(spec.model), spec.events_host, spec.events_slot), **idle.engine_args,
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))

@@ -34,6 +34,7 @@ import zmq.asyncio
 from manager import loras
 from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_record, parse_peer_address
 from servectl import config as C
+from servectl import kv_events
 from servectl.paths import RuntimePaths
 from servectl.wire import control as P
 from servectl.wire.spawn import ENGINE, GATEWAY, engine_identity, parse_component
@@ -335,7 +336,15 @@ class ControlServer:
             self.reply(caller, P.Ack(ok=False, message=why))
             return
         m = self.manager
-        cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
+        try:
+            cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
+            served = {g.model: g.model_cfg for g in m.groups.values()}
+            clash = kv_events.port_clash([*served.values(), cfg.models[0]], m.gateway_cfg.port)
+            if clash:
+                raise C.ConfigError(clash)
+        except C.ConfigError as exc:
+            self.reply(caller, P.Ack(ok=False, message=str(exc)))
+            return
         m.add_model(cfg.models[0])
         self.reply(caller, P.Ack(ok=True, message=f"loading {msg.model.name}"))
 

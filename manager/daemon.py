@@ -129,6 +129,12 @@ class Manager:
         """A model's engine groups, one per replica (not started)."""
         return [EngineGroup(model, self, replica) for replica in range(model.replicas)]
 
+    def events_slot(self, group: EngineGroup) -> int:
+        """A group's KV-events port slot (servectl/kv_events.py): the lowest of 0 .. replicas that no
+        other group of its model holds; -1 when every one is (a roll that shrinks the model)."""
+        held = {g.events_slot for g in self.groups.values() if g.model == group.model and g is not group}
+        return next((n for n in range(group.model_cfg.replicas + 1) if n not in held), -1)
+
     def groups_of(self, name: str) -> list[EngineGroup]:
         """What an operator's verb names: a model (all its replicas) or one replica's group."""
         if name in self.groups and self.groups[name].name != self.groups[name].model:

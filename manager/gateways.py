@@ -79,6 +79,7 @@ class GatewayPool:
         # Signs the status page's sessions (api_gateway/ui.py): one per daemon, shared by its gateways
         # (a page's requests may reach any of them), never written anywhere but their specs' memfds.
         self.ui_secret = secrets.token_hex(32)
+        self.unready = False  # a stop's readiness grace has begun (stop_being_ready)
 
     def children(self) -> list[Child]:
         return [gw.child for gw in self.members]
@@ -131,6 +132,8 @@ class GatewayPool:
             if not fut.done():
                 fut.set_result(True)
         self.send_keys(gw)  # keys rotated while it started: it is connected now
+        if self.unready:  # started during a stop's readiness grace: not ready for routers either
+            gw.child.signal(signal.SIGUSR1)
 
     # ---- API keys: rotated in place, old ones refused at once -------------------------------
     def send_keys(self, gw: GatewayProcess) -> asyncio.Future | None:
@@ -190,9 +193,12 @@ class GatewayPool:
             await self.host.wait_exit([gw.child], grace_s)
 
     async def stop_being_ready(self, grace_s: float) -> None:
-        """Every gateway's /ready fails (SIGUSR1); new requests are still served for ``grace_s``."""
+        """Every gateway's /ready fails (SIGUSR1); new requests are still served for ``grace_s``.
+        Only ready gateways are signalled (their handler is installed before they say ready: a
+        starting one would die of it); one that becomes ready meanwhile is signalled then."""
+        self.unready = True
         for gw in self.members:
-            if gw.child.alive:
+            if gw.child.alive and gw.child.state is ChildState.READY:
                 gw.child.signal(signal.SIGUSR1)
         # event-proof: the operator's configured grace, once, on the way out.
         await asyncio.sleep(grace_s)

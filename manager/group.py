@@ -103,6 +103,7 @@ class GroupHost(Protocol):
     shutting_down: bool  # nothing starts any more
 
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
+    def events_slot(self, group: "EngineGroup") -> int: ...
     def watch(self, child: Child) -> None: ...
     def on_child_change(self, child: Child, detail: str) -> None: ...
     def on_group_change(self, group: "EngineGroup") -> None: ...
@@ -118,6 +119,7 @@ class EngineGroup:
                                            env={**cfg.env, **(cfg.replica_env[replica] if cfg.replica_env else {})})
         self.replica = replica
         self.model = cfg.name  # what requests name
+        self.events_slot: int | None = None  # its KV-events port slot, from its first start on
         # This group: its sockets, events, status (a rolled out one's differs from its replica's).
         self.name = name or group_name(cfg.name, replica, cfg.replicas)
         self.host = host
@@ -257,6 +259,8 @@ class EngineGroup:
         m = self.host.settings
         idle = self.idle_policy
         self.release_mode = idle.mode
+        if self.events_slot is None:
+            self.events_slot = self.host.events_slot(self)
         # The spec carries the model's env (tokens): a memfd, never the argv.
         spec = spec_fd(EngineSpec(
             model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
@@ -265,7 +269,8 @@ class EngineGroup:
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
             step_deadline_floor_s=m.step_deadline_floor_s,
             max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras), group=self.name,
-            replica=int(self.name.partition(REPLICA_MARK)[2] or 0)), "servectl-engine-spec")
+            replica=int(self.name.partition(REPLICA_MARK)[2] or 0), events_host=self.host.gateway_cfg.host,
+            events_slot=self.events_slot), "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

@@ -340,7 +340,7 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
                               "(vLLM: --enable-auto-tool-choice requires --tool-call-parser)")
         m.engine_args = {**DEFAULT_ENGINE_ARGS, **m.engine_args}
         try:
-            kv_events.resolve(m.engine_args, cfg.gateway.host)
+            kv_events.resolve(m.engine_args)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"config error{where}: models.{m.name}.engine_args.{kv_events.KEY}: {exc}") from None
         m.lora_modules = lora_modules(m, where)
@@ -354,7 +354,7 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"config error{where}: models.{m.name}.expected_memory: {exc}") from None
     check_lora_names(cfg.models, where)
-    clash = kv_events.port_clash(cfg.models, cfg.gateway.host, cfg.gateway.port)
+    clash = kv_events.port_clash(cfg.models, cfg.gateway.port)
     if clash:
         raise ConfigError(f"config error{where}: {clash}")
     try:

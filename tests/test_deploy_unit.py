@@ -58,7 +58,7 @@ def port_of(c: dict, name_or_number) -> int:
 def test_probes_are_the_gateways_routes_on_its_port(docs, cfg):
     routes = gateway_routes(cfg)
     server = container(find(docs, "Deployment", "servectl"), "servectl")
-    probes = {kind: server[kind]["httpGet"] for kind in ("livenessProbe", "readinessProbe", "startupProbe")}
+    probes = {kind: server[kind]["httpGet"] for kind in ("livenessProbe", "readinessProbe")}
     assert probes["livenessProbe"]["path"] == "/live" and probes["readinessProbe"]["path"] == "/ready"
     for kind, probe in probes.items():
         assert probe["path"] in routes, (kind, probe)
@@ -90,7 +90,7 @@ def test_the_services_reach_the_gateway_and_the_event_publisher(docs, cfg):
     assert service["spec"]["clusterIP"] == "None"  # the router talks to each pod
     targets = {port_of(server, p["targetPort"]) for p in service["spec"]["ports"]}
     events = K.events_config(cfg.models[0].engine_args)
-    assert events is not None and events["endpoint"] == f"tcp://0.0.0.0:{K.DEFAULT_PORT}"
+    assert events is not None and K.for_slot(events, 0, cfg.gateway.host)["endpoint"] == f"tcp://0.0.0.0:{K.DEFAULT_PORT}"
     assert targets == {cfg.gateway.port, K.DEFAULT_PORT}
     command = server["command"]
     assert command[:3] == ["servectl", "start", "--foreground"]

@@ -13,6 +13,7 @@ Needs root (CI runs as root: there a skip is a failure).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,6 +215,9 @@ def test_a_stopping_host_finishes_what_reached_it(hosts):
         assert len(load.results) >= 4, load.results
         errors = [r for r in load.results if r["error"] or not r["done"]]
         assert not errors, f"{len(errors)} of {len(load.results)} requests through the router failed: {errors[:3]}"
+        # Not even refused and retried by the router: /ready failed before the drain refused anything.
+        refused = [line for line in h2.log("gateway:0").splitlines() if re.search(r" POST \S+ 503 ", line)]
+        assert not refused, refused
     h2.start()  # back for the next test
     with hosts.topo.inside():
         hosts.learn_prefixes()

@@ -84,7 +84,9 @@ def test_an_idle_engine_with_events_on_sleeps(tools_daemon):
     """vLLM's publisher thread wakes ten times a second; servectl's blocks until there is work."""
     tools_daemon.openai().completions.create(model="tools", prompt="warm", max_tokens=2)
     engine = tools_daemon.child("engine_core:tools").pid
-    time.sleep(1.0)  # past the request's tail (its last outputs, metrics)
+    # Past the freeze grace (the engine's one-shot deadline after its last request): it froze its worker.
+    wait_for(lambda: tools_daemon.child("worker:tools:0").state == "idle (frozen)", 60, what="the worker frozen")
+    time.sleep(0.5)
     before = context_switches([engine])
     time.sleep(3.0)  # the measurement itself: what the idle engine does over a fixed window
     woke = context_switches([engine]) - before

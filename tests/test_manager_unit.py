@@ -59,6 +59,9 @@ class HostDouble:
         self.child_events: list[tuple[str, str]] = []
         self.sent: list = []
 
+    def events_slot(self, group) -> int:
+        return 0
+
     def child_env(self, extra):
         return dict(extra)
 

@@ -94,31 +94,57 @@ def model(name: str, replicas: int = 1, **events) -> C.ModelConfig:
 
 
 def test_events_default_to_the_gateways_host_not_every_interface():
-    cfg = C.finalize(C.Config(gateway=C.GatewayConfig(host="10.1.2.3"), models=[model("a")]))
-    assert cfg.models[0].engine_args["kv_events_config"]["endpoint"] == "tcp://10.1.2.3:5557"
-    cfg = C.finalize(C.Config(gateway=C.GatewayConfig(host="::1"), models=[model("a")]))
-    assert cfg.models[0].engine_args["kv_events_config"]["endpoint"] == "tcp://[::1]:5557"
-    # As `vllm serve --kv-events-config '<json>'`: a JSON string is taken too.
+    for host, want in (("10.1.2.3", "tcp://10.1.2.3:5557"), ("::1", "tcp://[::1]:5557")):
+        cfg = C.finalize(C.Config(gateway=C.GatewayConfig(host=host), models=[model("a")]))
+        events = cfg.models[0].engine_args["kv_events_config"]
+        assert K.for_slot(events, 0, cfg.gateway.host)["endpoint"] == want
+    # The default follows the host as it is when the engine starts (a --host override included):
+    # the configuration keeps no endpoint of its own.
+    cfg = C.apply_overrides(C.finalize(C.Config(models=[model("a")])), C.Overrides(host="10.0.0.11"))
+    assert K.for_slot(cfg.models[0].engine_args["kv_events_config"], 0, cfg.gateway.host)["endpoint"] == \
+        "tcp://10.0.0.11:5557"
+    # As `vllm serve --kv-events-config '<json>'`: a JSON string is taken too; an endpoint given is kept.
     cfg = C.finalize(C.Config(models=[C.ModelConfig(name="a", model="x", engine_args={
         "kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000"}'})]))
-    assert cfg.models[0].engine_args["kv_events_config"]["endpoint"] == "tcp://*:6000"  # asked for: kept
+    assert K.for_slot(cfg.models[0].engine_args["kv_events_config"], 0, "h")["endpoint"] == "tcp://*:6000"
 
 
 def test_each_group_has_a_port_of_its_own():
     cfg = model("a", replicas=2, endpoint="tcp://127.0.0.1:6000", replay_endpoint="tcp://127.0.0.1:6100")
     C.finalize(C.Config(models=[cfg]))
     events = cfg.engine_args["kv_events_config"]
-    groups = ["a@0", "a@1", "a@2"]  # two replicas and a rolling reload's new group
-    assert [K.for_group(events, g)["endpoint"] for g in groups] == [f"tcp://127.0.0.1:{p}" for p in (6000, 6001, 6002)]
-    assert K.for_group(events, "a@1")["replay_endpoint"] == "tcp://127.0.0.1:6101"
-    assert K.for_group({"endpoint": "ipc:///run/ev"}, "a@1")["endpoint"] == "ipc:///run/ev-1"
-    assert K.for_group({"endpoint": "tcp://127.0.0.1:0"}, "a@1")["endpoint"] == "tcp://127.0.0.1:0"
+    # Slots 0 .. replicas: two replicas and a rolling reload's new group beside the old.
+    assert [K.for_slot(events, n, "h")["endpoint"] for n in range(3)] == \
+        [f"tcp://127.0.0.1:{p}" for p in (6000, 6001, 6002)]
+    assert K.for_slot(events, 1, "h")["replay_endpoint"] == "tcp://127.0.0.1:6101"
+    assert K.for_slot(events, -1, "h")["endpoint"] == "tcp://127.0.0.1:0"  # none left: the system picks
+    assert K.for_slot({"endpoint": "ipc:///run/ev"}, 1, "h")["endpoint"] == "ipc:///run/ev-1"
+    assert K.for_slot({"endpoint": "tcp://127.0.0.1:0"}, 1, "h")["endpoint"] == "tcp://127.0.0.1:0"
+
+
+def test_the_manager_gives_each_group_a_free_slot():
+    from types import SimpleNamespace
+
+    from manager.daemon import Manager
+
+    cfg = model("a", replicas=2)
+    def group(slot):
+        return SimpleNamespace(model="a", model_cfg=cfg, events_slot=slot)
+    host = SimpleNamespace(groups={})
+    new = group(None)
+    host.groups = {"a@0": group(0), "a@1": group(1), "a@2": new}
+    assert Manager.events_slot(host, new) == 2  # a roll's new group beside both replicas
+    host.groups = {"a@1": group(1), "a@2": group(2), "a@0": new}
+    assert Manager.events_slot(host, new) == 0  # the slot the removed group held
+    host.groups = {"a@0": group(0), "a@1": group(1), "x": group(2), "a": new}
+    assert Manager.events_slot(host, new) == -1  # every slot held (a shrinking roll)
 
 
 @pytest.mark.parametrize("models, gateway_port", [
     ([model("a"), model("b")], 8000),  # both on the default port
     ([model("a", replicas=2, endpoint="tcp://127.0.0.1:6000"), model("b", endpoint="tcp://127.0.0.1:6002")], 8000),
     ([model("a", endpoint="tcp://127.0.0.1:8000")], 8000),  # the gateway's port
+    ([model("a"), model("b", endpoint="tcp://10.9.9.9:5558")], 8000),  # other host, same engines' ports
 ])
 def test_ports_that_meet_are_refused(models, gateway_port):
     with pytest.raises(C.ConfigError, match="kv_events_config.endpoint: ports"):
@@ -134,3 +160,7 @@ def test_events_off_or_bad_endpoints():
         C.finalize(C.Config(models=[model("a", endpoint="http://x:1")]))
     with pytest.raises(C.ConfigError, match="has no port"):
         C.finalize(C.Config(models=[model("a", endpoint="tcp://host:")]))
+    with pytest.raises(C.ConfigError, match="pass 65535"):
+        C.finalize(C.Config(models=[model("a", replicas=2, endpoint="tcp://h:65534")]))
+    with pytest.raises(C.ConfigError, match="ipc:///run/ev is models.a"):
+        C.finalize(C.Config(models=[model("a", endpoint="ipc:///run/ev"), model("b", endpoint="ipc:///run/ev")]))

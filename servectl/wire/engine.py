@@ -123,6 +123,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     # Where the engine publishes vLLM's KV-cache events (vLLM's KVEventsConfig as a dict, as
     # `vllm serve`'s /kv_event_sources answers it); None with events off.
     kv_events: dict[str, Any] | None = None
+    kv_events_rank: int = 0  # the rank its event batches carry (its slot): the key /kv_event_sources uses
 
 
 class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
