@@ -99,6 +99,14 @@ def test_an_open_api_shows_the_page_and_only_listed_assets_are_served():
     run(scenario)
 
 
+def test_the_apis_host_rule_holds_for_the_page():
+    async def scenario(h):
+        assert (await fetch(h, "GET", "/ui", headers={"Host": "evil.example"}))[0] == 421  # DNS rebinding
+        assert (await fetch(h, "GET", "/ui/stream", headers={"Host": "evil.example"}))[0] == 421
+        assert (await fetch(h, "GET", "/ui", headers={"Host": "localhost"}))[0] == 200
+    run(scenario, host="127.0.0.1")
+
+
 def test_the_script_writes_text_only():
     """Every value from the server reaches the DOM as text: the script never parses HTML."""
     script = (ASSETS / "ui.js").read_text()
