@@ -95,7 +95,7 @@ class Gateway:
         self.manager.on_api_keys = self.set_api_keys
         self.admin = AdminRoutes(self)
         self.probes = Probes(self)  # /live, /ready, /kv_event_sources
-        self.ui = UiRoutes(self, spec.ui_secret)  # the status page, /ui
+        self.ui = UiRoutes(self, spec.ui_secret, spec.instance)  # the status page, /ui
         self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
@@ -117,6 +117,7 @@ class Gateway:
     def set_api_keys(self, keys: MP.ApiKeys) -> None:
         """A reload rotated the keys: from the next request on, only these are accepted."""
         self.keys = KeyRing(keys.keys, keys.admin_keys)
+        self.ui.keys_changed()
         log.info("API keys replaced (%d API key(s), %d admin key(s))", len(keys.keys), len(keys.admin_keys))
 
     def stop_being_ready(self) -> None:
@@ -449,6 +450,7 @@ class Gateway:
         await stop.wait()
         # Drain: refuse new work, let in-flight requests finish (bounded), then go.
         self.draining = True
+        self.ui.hub.close_all()  # open status pages' streams end (their browsers reconnect elsewhere)
         log.info("draining %d in-flight request(s)", self.in_flight)
         try:
             # event-proof: the drain's bound on the way out; the last request's end sets idle at once.

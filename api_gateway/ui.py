@@ -28,12 +28,9 @@ import asyncio
 import hashlib
 import hmac
 import html
-import json
 import logging
-import os
 import secrets
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
@@ -43,8 +40,8 @@ from aiohttp import web
 
 from api_gateway.errors import HttpError
 from api_gateway.keys import Access, KeyRing, fingerprint
+from api_gateway.ui_hub import Page, UiHub, sse
 from servectl.wire import control as MP
-from servectl.wire.spawn import model_of
 
 if TYPE_CHECKING:
     from api_gateway.app import Gateway
@@ -53,11 +50,9 @@ log = logging.getLogger("api_gateway.ui")
 
 ASSETS = Path(__file__).resolve().parent / "ui"
 STATIC = {"ui.js": "text/javascript", "ui.css": "text/css", "favicon.svg": "image/svg+xml"}
-COOKIE = "servectl_session"
+COOKIE = "servectl_session"  # and the daemon's instance: two daemons on one host keep theirs apart
 SESSION_TTL_S = 12 * 3600
-SAMPLE_S = 1.0  # the figures without events (RSS, CPU, tokens per second): at most this often
 KEEPALIVE_S = 15.0  # a comment after this long without anything else
-EVENTS_KEPT = 200  # the recent events a page gets when it opens
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
@@ -85,7 +80,7 @@ class Sessions:
         if not token or token.count(".") != 4:
             return Access.NONE
         body, _, mac = token.rpartition(".")
-        if not hmac.compare_digest(mac, self._mac(body)):
+        if not token.isascii() or not hmac.compare_digest(mac.encode(), self._mac(body).encode()):
             return Access.NONE
         level, key_id, issued, _ = body.split(".")
         try:
@@ -104,171 +99,11 @@ class Sessions:
         return self._mac("csrf:" + token)[:32]
 
 
-class Page:
-    """One open page: its stream, what it may see, the log it follows."""
-
-    def __init__(self, resp: web.StreamResponse, admin: bool, log_component: str | None):
-        self.resp = resp
-        self.admin = admin
-        self.log_component = log_component
-        self.log_after = 0
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=256)
-
-    def push(self, data: bytes) -> None:
-        try:
-            self.queue.put_nowait(data)
-        except asyncio.QueueFull:
-            pass  # a page that reads nothing: it gets the next snapshot when it catches up
-
-
-def sse(kind: str, data) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def proc_figures(pid: int | None) -> tuple[int | None, int | None]:
-    """(RSS bytes, CPU ticks so far) of a process, or (None, None)."""
-    if not pid:
-        return None, None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        with open(f"/proc/{pid}/statm") as f:
-            rss_pages = int(f.read().split()[1])
-        return rss_pages * os.sysconf("SC_PAGE_SIZE"), int(fields[11]) + int(fields[12])
-    except (OSError, ValueError, IndexError):
-        return None, None
-
-
-class UiHub:
-    """The pages open on this gateway and what they are sent."""
-
-    def __init__(self, gateway: Gateway):
-        self.g = gateway
-        self.pages: set[Page] = set()
-        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
-        self.poke = asyncio.Event()  # an event came: sample now
-        self.sampler: asyncio.Task | None = None
-        self.last_snapshot: dict | None = None
-        self.ticks: dict[int, tuple[int, float]] = {}  # pid -> (CPU ticks, when) at the last sample
-        self.tokens: dict[str, tuple[float, float]] = {}  # model -> (tokens generated, when)
-        self.hz = os.sysconf("SC_CLK_TCK")
-
-    def on_event(self, ev: MP.Event) -> None:
-        entry = {"time": ev.time, "component": ev.component, "kind": str(ev.kind.value), "model": ev.model,
-                 "state": str(getattr(ev.state, "value", ev.state)), "pid": ev.pid, "detail": ev.detail,
-                 "restarts": ev.restarts}
-        self.events.append(entry)
-        for page in self.pages:
-            page.push(sse("event", entry))
-        self.poke.set()
-
-    def join(self, page: Page) -> None:
-        self.pages.add(page)
-        if self.sampler is None or self.sampler.done():
-            self.sampler = asyncio.get_running_loop().create_task(self.sample(), name="ui sampler")
-        else:
-            self.poke.set()
-
-    def leave(self, page: Page) -> None:
-        self.pages.discard(page)
-        if not self.pages and self.sampler is not None:
-            self.sampler.cancel()  # no page: nothing is sampled
-            self.sampler = None
-            self.last_snapshot = None
-
-    async def sample(self) -> None:
-        while self.pages:
-            self.poke.clear()
-            try:
-                snap = await self.snapshot()
-                if snap != self.last_snapshot:
-                    self.last_snapshot = snap
-                    data = sse("snapshot", snap)
-                    for page in self.pages:
-                        page.push(data)
-                for page in list(self.pages):
-                    if page.log_component:
-                        await self.follow_log(page)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the page shows the next sample; the gateway serves on
-                log.exception("status page sample failed")
-            try:
-                # event-proof: runs only while a page is connected (leave() cancels it); an event pokes it.
-                await asyncio.wait_for(self.poke.wait(), SAMPLE_S)
-            except asyncio.TimeoutError:
-                pass
-
-    async def follow_log(self, page: Page) -> None:
-        reply = await self.g.manager.ask(MP.LogTail(component=page.log_component, after=page.log_after), 5.0)
-        if not isinstance(reply, MP.LogLines):
-            return
-        if not reply.known:
-            page.push(sse("log", {"component": page.log_component, "lines": [], "unknown": True}))
-            page.log_component = None
-            return
-        if reply.lines or page.log_after == 0:
-            page.push(sse("log", {"component": page.log_component, "lines": reply.lines}))
-        page.log_after = reply.written
-
-    async def snapshot(self) -> dict:
-        st = await self.g.manager.ask(MP.StatusRequest(), 5.0)
-        if not isinstance(st, MP.StatusReply):
-            raise RuntimeError("the manager gave no status")
-        now_wall, now = time.time(), time.monotonic()
-        links = self.g.links
-        stats = await asyncio.gather(*(link.stats(0.5) for link in links.values()))
-        running: dict[str, int] = {}
-        for group, s in zip(links, stats):
-            if s is not None:
-                running[model_of(group)] = running.get(model_of(group), 0) + s.unfinished
-        generated = self.g.metrics.generated_tokens()
-        models: dict[str, dict] = {}
-        for m in st.models:
-            name = model_of(m.name)
-            served = self.g.served.get(name)
-            entry = models.setdefault(name, {
-                "name": name, "state": str(served.status if served is not None else m.state.value),
-                "reason": served.reason if served is not None else m.reason, "groups": [],
-                "running": running.get(name, 0), "waiting": served.queued() if served is not None else 0,
-                "tokens_per_s": self.rate(name, generated.get(name, 0.0), now)})
-            entry["groups"].append({
-                "name": m.name, "state": m.state.value, "devices": m.devices, "memory_bytes": m.memory_bytes,
-                "device_memory_bytes": m.device_memory_bytes, "idle_since": m.idle_since,
-                "release_after_s": m.release_after_s, "released_since": m.released_since, "restarts": m.restarts,
-                "frozen": m.frozen, "reason": m.reason})
-        processes = []
-        seen = set()
-        for c in st.children:
-            rss, ticks = proc_figures(c.pid)
-            cpu = None
-            if c.pid and ticks is not None:
-                seen.add(c.pid)
-                before = self.ticks.get(c.pid)
-                if before is not None and now > before[1]:
-                    cpu = round(100 * (ticks - before[0]) / self.hz / (now - before[1]), 1)
-                self.ticks[c.pid] = (ticks, now)
-            processes.append({"component": c.component, "kind": c.kind.value, "model": c.model, "pid": c.pid,
-                              "state": c.state.value, "started_at": c.started_at, "restarts": c.restarts,
-                              "last_exit": c.last_exit, "rss_bytes": rss, "cpu_percent": cpu})
-        self.ticks = {pid: v for pid, v in self.ticks.items() if pid in seen}
-        return {"now": now_wall, "manager": {"pid": st.manager_pid, "started_at": st.started_at,
-                                             "state": st.state.value, "instance": st.instance},
-                "models": sorted(models.values(), key=lambda m: m["name"]), "unloaded": st.unloaded,
-                "processes": processes}
-
-    def rate(self, model: str, total: float, now: float) -> float | None:
-        before = self.tokens.get(model)
-        self.tokens[model] = (total, now)
-        if before is None or now <= before[1]:
-            return None
-        return round(max(0.0, total - before[0]) / (now - before[1]), 1)
-
-
 class UiRoutes:
-    def __init__(self, gateway: Gateway, secret: str = ""):
+    def __init__(self, gateway: Gateway, secret: str = "", instance: str = ""):
         self.g = gateway
         self.sessions = Sessions(bytes.fromhex(secret) if secret else secrets.token_bytes(32))
+        self.cookie = f"{COOKIE}_{instance[:8]}" if instance else COOKIE
         self.hub = UiHub(gateway)
         gateway.manager.on_event = self.hub.on_event
 
@@ -284,7 +119,7 @@ class UiRoutes:
     # ---- who is asking --------------------------------------------------------------------
     def access(self, request: web.Request) -> tuple[Access, str]:
         """(what this browser's session opens, its token)."""
-        token = request.cookies.get(COOKIE, "")
+        token = request.cookies.get(self.cookie, "")
         return self.sessions.check(token, self.g.keys, time.time()), token
 
     def may_view(self, access: Access) -> bool:
@@ -320,23 +155,25 @@ class UiRoutes:
     async def login(self, request: web.Request) -> web.Response:
         if not self.same_origin(request):
             raise HttpError(403, "a login form from another origin", "permission_error")
-        form = parse_qs((await request.read()).decode("utf-8", "replace"), max_num_fields=4)
+        try:
+            form = parse_qs((await request.read()).decode("utf-8", "replace"), max_num_fields=4)
+        except ValueError:
+            raise HttpError(400, "send the form's one field, key") from None
         key = (form.get("key") or [""])[0].strip().encode()
         access = self.g.keys.access(key)
-        if access is Access.NONE:
-            self.g.admin.refused(request, fingerprint(key) if key else None, 401, "status page login: not a "
-                                 "configured key")
+        if access is Access.NONE:  # audited without a fingerprint: what was typed may be any secret
+            self.g.admin.refused(request, None, 401, "status page sign-in: not a configured key")
             return self.login_page(True, status=401)
         resp = web.Response(status=303, headers={**SECURITY_HEADERS, "Location": "/ui"})
-        resp.set_cookie(COOKIE, self.sessions.issue(access, fingerprint(key), time.time()), max_age=SESSION_TTL_S,
-                        path="/ui", httponly=True, samesite="Strict", secure=request.secure)
+        resp.set_cookie(self.cookie, self.sessions.issue(access, fingerprint(key), time.time()),
+                        max_age=SESSION_TTL_S, path="/ui", httponly=True, samesite="Strict", secure=request.secure)
         return resp
 
     async def logout(self, request: web.Request) -> web.Response:
         if not self.same_origin(request):
             raise HttpError(403, "a logout from another origin", "permission_error")
         resp = web.Response(status=303, headers={**SECURITY_HEADERS, "Location": "/ui"})
-        resp.del_cookie(COOKIE, path="/ui")
+        resp.del_cookie(self.cookie, path="/ui")
         return resp
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -350,32 +187,44 @@ class UiRoutes:
         resp = web.StreamResponse(headers={**SECURITY_HEADERS, "Content-Type": "text/event-stream",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        page = Page(resp, admin, wanted)
-        hello = {"admin": admin, "signed_in": access is not Access.NONE, "csrf": self.sessions.csrf(token) if admin
-                 else None, "admin_keys": self.g.keys.admin_enabled, "log": wanted, "verbs": list(VERBS) if admin
-                 else []}
-        await resp.write(sse("hello", hello) + b"".join(sse("event", e) for e in self.hub.events))
-        self.hub.join(page)
+        issued = token.split(".")[2] if token.count(".") == 4 else ""
+        expires = int(issued) + self.sessions.ttl_s if issued.isdigit() else float("inf")
+        page = Page(admin, wanted, token, expires)
+        self.hub.join(page, sse("hello", {
+            "admin": admin, "signed_in": access is not Access.NONE, "csrf": self.sessions.csrf(token) if admin else None,
+            "admin_keys": self.g.keys.admin_enabled, "log": wanted}))
         try:
-            while True:
+            while not page.closed:
+                await resp.write(page.take() or b": keep-alive\n\n")
                 try:
-                    # event-proof: a page is connected; the keep-alive's bound, as the API's streams have.
-                    data = await asyncio.wait_for(page.queue.get(), KEEPALIVE_S)
+                    # event-proof: a page is open; the keep-alive's bound (and its session's end).
+                    await asyncio.wait_for(page.wake.wait(), min(KEEPALIVE_S, max(0.0, expires - time.time())))
                 except asyncio.TimeoutError:
-                    data = b": keep-alive\n\n"
-                await resp.write(data)
+                    if time.time() >= expires:
+                        break  # its session ended: the browser reconnects and signs in again
         except (ConnectionResetError, ConnectionError):
             pass
         finally:
             self.hub.leave(page)
         return resp
 
+    def keys_changed(self) -> None:
+        """A reload changed the keys: a page whose session opens less now is closed (it reconnects
+        with what its session still opens, or signs in again)."""
+        if not self.g.keys.api_open or self.g.keys.admin_enabled:
+            now = time.time()
+            for page in list(self.hub.pages):
+                access = self.sessions.check(page.token, self.g.keys, now) if page.token else Access.NONE
+                if (page.admin and access is not Access.ADMIN) or not self.may_view(access):
+                    page.close()
+
     async def action(self, request: web.Request) -> web.Response:
         access, token = self.access(request)
         if access is not Access.ADMIN:
             raise HttpError(403, "the buttons need an admin key", "permission_error")
         if not self.same_origin(request) or not hmac.compare_digest(
-                request.headers.get("X-CSRF-Token", ""), self.sessions.csrf(token)):
+                request.headers.get("X-CSRF-Token", "").encode("utf-8", "surrogateescape"),
+                self.sessions.csrf(token).encode()):
             raise HttpError(403, "missing or wrong CSRF token (reload the page)", "permission_error")
         try:
             body = msgspec.json.decode(await request.read(), type=dict[str, str])

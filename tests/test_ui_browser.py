@@ -7,7 +7,6 @@ The tests share the daemon and run in order: each leaves it as it found it.
 
 from __future__ import annotations
 
-import http.cookiejar
 import json
 import os
 import re
@@ -110,13 +109,15 @@ def click(driver, selector: str) -> None:
 
 
 def session_cookie(driver) -> str:
-    return next(c["value"] for c in driver.get_cookies() if c["name"] == "servectl_session")
+    """The session cookie as the browser holds it: ``name=value``."""
+    c = next(c for c in driver.get_cookies() if c["name"].startswith("servectl_session"))
+    return f"{c['name']}={c['value']}"
 
 
 def post_action(d, cookie: str | None, csrf: str | None, verb: str, model: str) -> int:
     headers = {"Content-Type": "application/json"}
     if cookie:
-        headers["Cookie"] = f"servectl_session={cookie}"
+        headers["Cookie"] = cookie
     if csrf:
         headers["X-CSRF-Token"] = csrf
     return http(d, "POST", "/ui/action", {"verb": verb, "model": model}, headers, key=None).status
@@ -124,7 +125,7 @@ def post_action(d, cookie: str | None, csrf: str | None, verb: str, model: str) 
 
 def hello(d, cookie: str) -> dict:
     """The stream's first event for this session (what the page learns first)."""
-    req = urllib.request.Request(f"{d.base_url}/ui/stream", headers={"Cookie": f"servectl_session={cookie}"})
+    req = urllib.request.Request(f"{d.base_url}/ui/stream", headers={"Cookie": cookie})
     with urllib.request.urlopen(req, timeout=10) as resp:
         lines = []
         for line in resp:
@@ -152,15 +153,14 @@ def test_a_key_is_needed_and_the_page_renders_every_model_and_process(d, browser
     cookie = session_cookie(browser)
     assert post_action(d, cookie, None, "restart", "other") == 403
     assert post_action(d, None, None, "restart", "other") == 403
-    assert http(d, "GET", "/ui/stream?log=gateway:0", headers={"Cookie": f"servectl_session={cookie}"},
-                key=None).status == 403
+    assert http(d, "GET", "/ui/stream?log=gateway:0", headers={"Cookie": cookie}, key=None).status == 403
 
 
 def test_an_admin_session_has_buttons_that_work(d, browser):
     sign_in(browser, d, ADMIN_KEY)
     wait_for(lambda: by_css(browser, "tr[data-model='other'] button[data-verb='unload']"), 20, what="buttons")
     cookie = session_cookie(browser)
-    assert [c for c in browser.get_cookies() if c["name"] == "servectl_session"][0]["httpOnly"] is True
+    assert [c for c in browser.get_cookies() if c["name"].startswith("servectl_session")][0]["httpOnly"] is True
     csrf = hello(d, cookie)["csrf"]
     assert post_action(d, cookie, None, "freeze", "other") == 403  # no CSRF token
     assert post_action(d, cookie, "0" * 32, "freeze", "other") == 403  # a wrong one

@@ -3,6 +3,7 @@ sessions, CSRF, who may see what, headers, assets."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -43,7 +44,7 @@ def test_a_session_opens_what_its_key_opens_while_the_key_is_configured():
 async def fetch(h, method: str, path: str, cookie: str | None = None, **kw):
     headers = kw.pop("headers", {})
     if cookie:
-        headers["Cookie"] = f"{COOKIE}={cookie}"
+        headers["Cookie"] = f"{h.gw.ui.cookie}={cookie}"
     async with aiohttp.ClientSession() as session:
         async with session.request(method, h.url + path, headers=headers, allow_redirects=False, **kw) as r:
             return r.status, dict(r.headers), await r.text(), r.cookies
@@ -59,7 +60,8 @@ def test_the_page_needs_a_key_when_the_api_does_and_login_sets_a_strict_cookie()
         assert status == 401 and "not one this server accepts" in text
         status, headers, _, cookies = await fetch(h, "POST", "/ui/login", data={"key": API})
         assert status == 303 and headers["Location"] == "/ui"
-        morsel = cookies[COOKIE]
+        morsel = cookies[h.gw.ui.cookie]
+        assert h.gw.ui.cookie.startswith(COOKIE + "_")  # the daemon's own: two on one host keep theirs
         assert morsel["httponly"] and morsel["samesite"] == "Strict" and morsel["path"] == "/ui"
         status, _, text, _ = await fetch(h, "GET", "/ui", cookie=morsel.value)
         assert status == 200 and 'src="/ui/static/ui.js"' in text
@@ -114,3 +116,80 @@ def test_the_script_writes_text_only():
         assert sink not in script, sink
     page = (ASSETS / "index.html").read_text()
     assert "<script>" not in page and not re.search(r"\son[a-z]+\s*=", page)  # no inline code
+
+
+def test_rates_and_engine_figures():
+    from api_gateway.ui_hub import Rates, engine_figures
+
+    r = Rates()
+    assert r.rate("m", 100.0, 10.0) is None  # a first sample has no rate
+    assert r.rate("m", 160.0, 12.0) == 30.0
+    assert r.rate("m", 150.0, 13.0) == 0.0  # a counter reset (a restarted engine): not negative
+    r.keep_only(set())
+    assert r.rate("m", 10.0, 14.0) is None
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()  # as an engine renders vLLM's metrics (engine_core/metrics.py)
+    Gauge("vllm:num_requests_running", "x", ["engine", "model_name"], registry=registry).labels("0", "m").set(3)
+    tokens = Counter("vllm:generation_tokens", "x", ["engine", "model_name"], registry=registry)
+    tokens.labels("0", "m").inc(120)
+    tokens.labels("0", "sql-adapter").inc(5)  # an adapter's requests: its model's
+    text = generate_latest(registry).decode()
+    assert engine_figures(text) == {"running": 3.0, "waiting": 0.0, "tokens": 125.0}
+    assert engine_figures("not { prometheus") == {"running": 0.0, "waiting": 0.0, "tokens": 0.0}
+
+
+def test_a_page_gets_the_newest_snapshot_and_every_event():
+    from api_gateway.ui_hub import Page, sse
+
+    page = Page(False, None, "", float("inf"))
+    page.push(sse("event", {"n": 1}))
+    page.push_snapshot(b"S1")
+    page.push_snapshot(b"S2")  # a slow page skips to the newest
+    page.push(sse("event", {"n": 2}))
+    data = page.take()
+    assert data.count(b"event: event") == 2 and data.endswith(b"S2") and b"S1" not in data
+    assert page.take() == b"" and not page.wake.is_set()
+    page.close()
+    assert page.closed and page.wake.is_set()
+
+
+def test_the_sampler_runs_only_while_a_page_is_open_and_keys_close_pages():
+    from api_gateway.ui_hub import Page
+
+    async def scenario(h):
+        hub = h.gw.ui.hub
+        samples = []
+
+        async def sample_once():
+            samples.append(1)
+        hub.sample_once = sample_once
+        sessions = h.gw.ui.sessions
+        admin_token = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time())
+        page = Page(True, None, admin_token, float("inf"))
+        hub.join(page, b"hello")
+        await asyncio.sleep(0.05)
+        assert samples and hub.sampler is not None and not hub.sampler.done()
+        assert page.take().startswith(b"hello")
+        h.gw.set_api_keys(__import__("servectl.wire.control", fromlist=["ApiKeys"]).ApiKeys(
+            keys=[API], admin_keys=[]))  # its admin key removed by a reload
+        assert page.closed
+        sampler = hub.sampler
+        hub.leave(page)
+        await asyncio.sleep(0.05)
+        assert hub.sampler is None and sampler.done()
+        count = len(samples)
+        await asyncio.sleep(1.2)
+        assert len(samples) == count  # nothing samples for no page
+    run(scenario, api_keys=[API], admin_keys=[ADMIN])
+
+
+def test_the_log_sink_says_what_is_new(tmp_path):
+    from manager.logs import LogSink
+
+    sink = LogSink("c", tmp_path / "c.log")
+    sink.write(b"one\ntwo\n")
+    assert sink.since(0) == ["one", "two"] and sink.since(1) == ["two"] and sink.since(2) == []
+    for i in range(300):
+        sink.write(f"{i}\n".encode())
+    assert sink.written == 302 and len(sink.since(0)) == 200 and sink.since(300) == ["298", "299"]

@@ -78,8 +78,10 @@ function renderModels() {
     if (released.length === m.groups.length && released.length) {
       tr.append(timed("since", Math.max(...released), "released "), el("td", "-", "num"));
     } else if (idleSince.length === m.groups.length && idleSince.length) {
-      const since = Math.max(...idleSince), after = m.groups[0].release_after_s;
-      tr.append(timed("since", since), after > 0 ? timed("until", since + after) : el("td", "never", "num"));
+      // Idle since the last request on any replica; the first replica goes at its own deadline.
+      const after = m.groups[0].release_after_s;
+      tr.append(timed("since", Math.max(...idleSince)),
+        after > 0 ? timed("until", Math.min(...idleSince) + after) : el("td", "never", "num"));
     } else {
       tr.append(el("td", m.state === "ready" ? "busy" : "-", "num"), el("td", "-", "num"));
     }
@@ -192,7 +194,8 @@ function connect() {
   page.source = src;
   src.addEventListener("hello", (e) => {
     page.hello = JSON.parse(e.data);
-    $("events").replaceChildren();
+    $("events").replaceChildren();  // a (re)connection sends the recent events and the log again
+    $("log-lines").textContent = "";
     renderAuth();
     if (page.snapshot) renderModels();
   });
@@ -206,7 +209,12 @@ function connect() {
   src.addEventListener("event", (e) => addEvent(JSON.parse(e.data)));
   src.addEventListener("log", (e) => addLog(JSON.parse(e.data)));
   src.addEventListener("open", () => { $("conn").textContent = "live"; });
-  src.addEventListener("error", () => { $("conn").textContent = "reconnecting…"; });
+  src.addEventListener("error", () => {
+    $("conn").textContent = "reconnecting…";
+    // The browser gives up on a refusal (a restarted daemon, an ended session): load the page
+    // again, which signs in anew if it must.
+    if (src.readyState === EventSource.CLOSED) setTimeout(() => location.reload(), 3000);
+  });
 }
 
 document.addEventListener("DOMContentLoaded", () => {
