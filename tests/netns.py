@@ -202,13 +202,16 @@ class Router:
             return False
 
 
-def stream(url: str, prompt: str, max_tokens: int, model: str = "default") -> dict:
+def stream(url: str, prompt: str, max_tokens: int, model: str = "default", out: dict | None = None) -> dict:
     """One streamed completion from ``url``: its id, when it was sent, each chunk's arrival, and
-    how it ended (``done``: [DONE] arrived; ``error``: what went wrong, if anything)."""
+    how it ended (``done``: [DONE] arrived; ``error``: what went wrong, if anything).
+
+    ``out``, when given, is filled as chunks arrive (another thread may watch it) and returned."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                        "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    out: dict = {"sent": time.monotonic(), "times": [], "done": False, "error": None, "id": None}
+    out = {} if out is None else out
+    out.update({"sent": time.monotonic(), "times": [], "done": False, "error": None, "id": None})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             for line in resp:
