@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from as_user import NOBODY, run_as
+from conftest import wait_for
 from api_gateway.http_policy import CorsPolicy, HostPolicy, host_name, is_json_content_type
 from manager.audit import REDACTED, AuditLog, Peer, audit_line, audit_record, parse_peer_address
 from servectl import config as C
@@ -320,8 +321,9 @@ def test_kill_instance_signals_through_pidfds_and_only_tagged_processes(monkeypa
     tagged = subprocess.Popen(["sleep", "60"], env={**os.environ, proc.INSTANCE_ENV: tag})
     other = subprocess.Popen(["sleep", "60"])
     try:
-        # Popen returns once the child has exec'd (its error pipe closes on exec): the tag is there.
-        assert proc.carries_instance(tagged.pid, tag)
+        # Popen returns once the child has exec'd, but its /proc environ may read empty for a moment
+        # after the exec (a CI run saw it): wait for the tag, briefly.
+        wait_for(lambda: proc.carries_instance(tagged.pid, tag), 10, interval=0.01, what="the tag in /proc")
         # A pid the scan reported but that now names an untagged process (reuse) is left alone.
         monkeypatch.setattr(proc, "processes_of_instance", lambda instance: [tagged.pid, other.pid])
         sent = []
