@@ -6,6 +6,7 @@
     python -m bench.rounds --only servectl --engine-arg-b async_scheduling=true
     python -m bench.rounds --pool bench/results/A.json bench/results/B.json   # all their rounds' medians
     python -m bench.rounds --base-commit ae4a39d --rounds 3   # another commit's servectl against this tree's
+    python -m bench.rounds --ceiling --concurrency 1,16   # and vLLM's in-process LLM after each round (bench.ceiling)
 
 With ``--base-commit`` side A is servectl as that commit has it, checked out by
 ``git worktree add`` into a temporary directory and run from there (its CLI's
@@ -149,7 +150,29 @@ def markdown(res: dict, a: str, b: str) -> str:
     x, y = sa["non_stream_c16_tok_s"], sb["non_stream_c16_tok_s"]
     ratio = f"{y['median'] / x['median']:.2f}" if x and y and x["median"] else "-"
     lines.append(f"| non-stream tok/s, c=16 | {cell(x)} | {cell(y)} | {ratio} |")
+    ceiling = res.get("summary", {}).get("ceiling")
+    if ceiling:
+        lines += ["", "The ceiling: the same load through vLLM's in-process `LLM` (`bench.ceiling`, "
+                  "`max_num_seqs` = the concurrency), run after each round; each server's share of it "
+                  "(ratio of medians).", "",
+                  f"| concurrency | LLM tok/s | {a} share | {b} share |", "|---|---|---|---|"]
+        for c, lim in ceiling.items():
+            shares = []
+            for side in (sa, sb):
+                got = side["stream"].get(c, {}).get("output_throughput")
+                shares.append(f"{got['median'] / lim['median']:.2f}" if got and lim["median"] else "-")
+            lines.append(f"| {c} | {cell(lim)} | {shares[0]} | {shares[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def summarize_ceiling(rounds: list[dict]) -> dict:
+    """Median and spread of the ceiling's tok/s per concurrency, over the rounds that measured it."""
+    out: dict = {}
+    for c in (rounds[0] if rounds else {}):
+        vals = [r[c]["tok_s"] for r in rounds if "tok_s" in r.get(c, {})]
+        if vals:
+            out[c] = {"median": round(statistics.median(vals), 1), "min": min(vals), "max": max(vals)}
+    return out
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -169,6 +192,9 @@ def pool(paths: list[Path]) -> tuple[dict, str, str]:
            "rounds": min(len(raw[a]), len(raw[b])), "params": runs[0]["params"],
            "pooled": [str(path) for path in paths], "raw": raw}
     res["summary"] = {name: summarize(raw[name]) for name in (a, b)}
+    if all("ceiling" in r for r in runs):
+        res["ceiling"] = [rnd for r in runs for rnd in r["ceiling"]]
+        res["summary"]["ceiling"] = summarize_ceiling(res["ceiling"])
     return res, a, b
 
 
@@ -255,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
                     help="engine argument of servectl A (--only), a TOML value: async_scheduling=true")
     ap.add_argument("--engine-arg-b", action="append", default=[], metavar="K=V", help="engine argument of servectl B")
     ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="after each round, the same streaming cells through vLLM's in-process LLM (bench.ceiling)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--tag", default="rounds")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
@@ -313,12 +341,22 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
                             "engine_args_b": p.engine_arg_b, "warm_standby": standby,
                             "base_commit": sides[0].commit, "sides": [a, b]},
                  "raw": {a: [], b: []}}
+    if p.ceiling:
+        res["ceiling"] = []
     for i, side in schedule(p.rounds, sides):
         print(f"== round {i + 1}/{p.rounds}: {side.name}", flush=True)
         r = one_round(make(side), concurrency, p, work)
         res["raw"][side.name].append(r)
         print(json.dumps(r), flush=True)
+        if p.ceiling and side is sides[1]:
+            from bench.ceiling import measure
+
+            print(f"== round {i + 1}/{p.rounds}: the ceiling (LLM)", flush=True)
+            res["ceiling"].append(measure(concurrency, p.prompts, p.input_len, p.output_len))
+            print(json.dumps(res["ceiling"][-1]), flush=True)
     res["summary"] = {name: summarize(res["raw"][name]) for name in (a, b)}
+    if p.ceiling:
+        res["summary"]["ceiling"] = summarize_ceiling(res["ceiling"])
     p.out.mkdir(parents=True, exist_ok=True)
     stem = p.out / f"{time.strftime('%Y-%m-%d')}-{p.tag}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from bench.ceiling import prompts
 from bench.rounds import check, label, markdown, parser, plan, pool, resolve_commit, schedule, tree_label, worktree
 
 pytestmark = pytest.mark.unit
@@ -34,6 +35,28 @@ def test_pooled_medians_are_over_every_round_of_every_file(tmp_path):
     assert res["summary"][b]["non_stream_c16_tok_s"]["median"] == 2000
     md = markdown(res, a, b)
     assert "5 alternating rounds" in md and "| stream tok/s, c=1 | 120 [100 – 140] | 200 [90 – 300] | 1.67 |" in md
+
+
+def test_the_ceiling_pools_and_each_server_gets_its_share(tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(json.dumps({**result([100, 110], [90, 95]), "ceiling": [{"1": {"tok_s": 200.0}},
+                                                                             {"1": {"error": "exit 1"}}]}))
+    two.write_text(json.dumps({**result([120], [100]), "ceiling": [{"1": {"tok_s": 220.0}}, {"1": {"tok_s": 180.0}}]}))
+    res, a, b = pool([one, two])
+    assert res["summary"]["ceiling"] == {"1": {"median": 200.0, "min": 180.0, "max": 220.0}}  # the failed one left out
+    md = markdown(res, a, b)
+    assert "| 1 | 200 [180 – 220] | 0.55 | 0.47 |" in md, md
+    # Without a ceiling in every file, none is claimed.
+    two.write_text(json.dumps(result([120], [100])))
+    res, a, b = pool([one, two])
+    assert "ceiling" not in res["summary"] and "in-process" not in markdown(res, a, b)
+
+
+def test_ceiling_prompts_are_seeded_random_tokens_inside_the_vocabulary():
+    first, again = prompts(3, 32, 1000), prompts(3, 32, 1000)
+    assert first == again and len(first) == 3 and all(len(p) == 32 for p in first)
+    assert all(100 <= t < 900 for p in first for t in p) and first[0] != first[1]
+    assert prompts(1, 32, 1000, seed=1) != prompts(1, 32, 1000)
 
 
 def test_files_of_other_servers_are_not_pooled(tmp_path):
