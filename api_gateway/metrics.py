@@ -41,7 +41,7 @@ class Metrics:
         self.waiting = Gauge("servectl_requests_waiting", "Requests waiting for their engine to be ready",
                              ["model"], multiprocess_mode="livesum", **reg)
         # Steps whose next execute_model went to the workers before the previous
-        # reply came back (vLLM's async scheduling overlap; 0 on CPU).
+        # reply came back (vLLM's async scheduling overlap; 0 with it off).
         self.overlapped_steps = Gauge("servectl_engine_overlapped_steps",
                                       "Engine steps sent while the previous one was still executing",
                                       ["model"], multiprocess_mode="livemostrecent", **reg)

@@ -21,9 +21,9 @@ side with identical engine settings, then
 
 ``--dry-run`` runs the same code without a GPU: argument parsing, the engine
 settings of both servers (`vllm serve`'s command line is printed, not run),
-servectl started on CPU, where the platform keeps async scheduling off (the
-executor's synchronous path: the check asserts "async scheduling off" and
-no overlapped step), and one short round of load. Exit status 0 when every
+servectl started on CPU, where servectl keeps vLLM's decision (async
+scheduling on, as on a GPU: the same assertions hold), and one short round of
+load. Exit status 0 when every
 assertion held, 1 otherwise, 2 when the host cannot run the full check.
 """
 
@@ -52,7 +52,6 @@ from servectl.wire import engine as EP
 MODEL = "default"
 BUDGET_S = 290  # the whole full check, start to stop, on a GPU host
 ASYNC_ON = re.compile(r"async scheduling on \(max_concurrent_batches (\d+)")
-ASYNC_OFF = "async scheduling off"
 
 
 @dataclass
@@ -194,13 +193,9 @@ def wait_started(servers: list, deadline: float) -> None:
         print(f"{s.name}: first completion {time.monotonic() - s.launched:.1f} s after launch", flush=True)
 
 
-def check_async_setting(servectl: ServectlUnderCheck, dry_run: bool) -> str:
+def check_async_setting(servectl: ServectlUnderCheck) -> str:
     log = servectl.engine_log()
     on = ASYNC_ON.search(log)
-    if dry_run:
-        if ASYNC_OFF not in log:
-            raise CheckFailed("the engine log does not say 'async scheduling off' (CPU platform)")
-        return "off (CPU platform: vllm/platforms/cpu.py)"
     if not on:
         line = next((x for x in log.splitlines() if "async scheduling" in x.lower()), "no such line")
         raise CheckFailed(f"async scheduling is not on in servectl's engine: {line}")
@@ -269,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.benchmarks import serve as _  # noqa: F401
 
         wait_started(servers, deadline - (0 if p.dry_run else 90))  # the full check keeps 90 s for its rounds
-        report["async_scheduling"] = check_async_setting(servectl, p.dry_run)
+        report["async_scheduling"] = check_async_setting(servectl)
         print(f"servectl: async scheduling {report['async_scheduling']}", flush=True)
         first = servectl.engine_stats()
         before = first.overlapped_steps
@@ -296,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(signed pickles: {last.signed_replies})", flush=True)
         if last.token_replies <= first.token_replies:
             raise CheckFailed("no step's reply came as sampled tokens: every one was a signed pickle")
-        if p.dry_run and after != before:
-            raise CheckFailed(f"overlapped steps grew ({before} -> {after}) with async scheduling off")
-        if not p.dry_run and after <= before:
+        if after <= before:
             raise CheckFailed(f"the overlap counter did not grow under load ({before} -> {after})")
         report["summary"] = summ = summary(results)
         print(table(summ, p.concurrency), flush=True)

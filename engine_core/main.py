@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = getattr(importlib.import_module(module), name)(spec)
             log.warning("engine built by %s, not vLLM's LLMEngine", factory)
         else:
-            if spec.model.engine_args.get("async_scheduling") is True:
-                honour_async_scheduling_on_cpu()
+            honour_async_scheduling_on_cpu()
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=spec.model.model,
                 tensor_parallel_size=tp,

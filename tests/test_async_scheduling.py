@@ -1,17 +1,16 @@
 """Issues 13 and 40: vLLM's async scheduling through servectl's executor, with the real engine on CPU.
 
 On CPU vLLM turns async scheduling off for every executor
-(``CpuPlatform.check_and_update_config``). An explicit
-``engine_args.async_scheduling = true`` is honoured there by servectl
-(``engine_core.workers.executor.honour_async_scheduling_on_cpu``), as a GPU platform
-would decide: with ``WorkerGroupExecutor`` saying it supports async scheduling, vLLM builds its
+(``CpuPlatform.check_and_update_config``). servectl keeps vLLM's own decision
+there (``engine_core.workers.executor.honour_async_scheduling_on_cpu``), as a GPU
+platform would: on by default since issue 40. With ``WorkerGroupExecutor`` saying it supports async scheduling, vLLM builds its
 ``AsyncScheduler`` and a batch queue of ``max_concurrent_batches`` = 2, and the
 CPU model runner returns vLLM's ``AsyncGPUModelRunnerOutput`` (the CPU worker
 replaces CUDA streams and events with no-op placeholders, so it runs). So
 this is the GPU code path end to end: engine core, executor futures, worker
 output thread; only the device-side overlap is missing.
 
-Two models of one daemon: "async" (``async_scheduling = true``) and "sync"
+Two models of one daemon: "async" (the default: no ``async_scheduling`` key) and "sync"
 (``engine_args.async_scheduling = false``: the synchronous path, as vLLM runs on
 CPU). Every feature whose tokens the batch queue could change must give the
 same output on both: greedy completions and chat, logprobs, penalties, stop
@@ -35,8 +34,6 @@ from servectl.config import DEFAULT_MODEL_DIR
 from servectl.wire import engine as EP
 
 ENGINE_ARGS = 'enforce_eager = true\nkv_cache_memory_bytes = 134217728\nmax_model_len = 512\ndtype = "float32"\n'
-# An explicit `async_scheduling = true` is honoured on CPU too (vLLM's CPU platform forces it off).
-ASYNC_ON = "async_scheduling = true\n"
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +42,7 @@ def pair_daemon(tmp_path_factory):
               f'backoff_initial_s = 0.3\n'
               f'[[models]]\nname = "sync"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
               f'async_scheduling = false\n'
-              f'[[models]]\nname = "async"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
-              f'{ASYNC_ON}')
+              f'[[models]]\nname = "async"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}')
     d = Daemon(tmp_path_factory.mktemp("async"), config=config)
     try:
         d.start()

@@ -51,7 +51,7 @@ def executor_for(group: WorkerGroup) -> type:
 
 
 def honour_async_scheduling_on_cpu() -> None:
-    """Keep an explicit ``async_scheduling = true`` on a CPU host (executor.py; imports vLLM)."""
+    """Keep vLLM's async-scheduling decision on a CPU host (executor.py; imports vLLM)."""
     from engine_core.workers.executor import honour_async_scheduling_on_cpu as honour
 
     honour()

@@ -8,8 +8,8 @@ process). The calls, their futures, the reply deadline and freezing live in
 ``group.py`` (no vLLM there); this module is the thin vLLM side.
 
 Async scheduling. ``supports_async_scheduling()`` is true, so vLLM turns it on
-by default where the platform allows (on CPU, ``platforms/cpu.py`` turns it
-off for every executor; ``engine_args.async_scheduling = false`` turns it off
+by default (on CPU too: ``honour_async_scheduling_on_cpu`` keeps vLLM's
+decision there; ``engine_args.async_scheduling = false`` turns it off
 anywhere). Then vLLM's ``VllmConfig.max_concurrent_batches`` is 2 and the
 engine core runs ``step_with_batch_queue``: it sends step N+1 before it
 collects step N. Each ``execute_model`` / ``sample_tokens`` with
@@ -133,14 +133,18 @@ class WorkerGroupExecutor(Executor):
 
 
 def honour_async_scheduling_on_cpu() -> None:
-    """Keep an operator's explicit ``async_scheduling = true`` on a CPU host.
+    """Keep vLLM's own async-scheduling decision on a CPU host, as a GPU host keeps it.
 
-    vLLM's CPU platform turns async scheduling off for every engine ("not
-    required on CPU"). With this executor it works there too (vLLM's CPU
-    worker makes the device copies no-ops; the outputs equal the synchronous
-    path's, tests/test_async_scheduling.py) and overlaps the engine's
-    scheduling and output processing with the worker's step. Only an explicit
-    request turns it on: CPU engines run synchronously by default.
+    vLLM decides first (``VllmConfig.__post_init__``: on unless the operator
+    says ``async_scheduling = false``, the model pools, or its speculative
+    method cannot), then its CPU platform turns it off for every engine ("not
+    required on CPU": vllm serve's CPU worker spreads its OpenMP team over all
+    cores, so an engine scheduling beside it would take a core from the step).
+    servectl's worker leaves a core to the engine (docs/decisions.md), and its
+    hop costs a pickle, two MACs and two wake-ups a step, which the batch queue
+    overlaps with the worker's step: c=1 1.13× in the A/B
+    (bench/results/2026-11-30-async-ab.md). The outputs equal the synchronous
+    path's (tests/test_async_scheduling.py), so the decision stands on CPU.
     """
     from vllm.platforms import current_platform
 
