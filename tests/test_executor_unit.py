@@ -460,6 +460,25 @@ def test_a_warm_group_finds_a_hung_worker_at_the_derived_deadline_and_publishes_
     assert published == [0.3]
 
 
+def test_a_step_whose_reply_came_with_its_elders_is_not_timed_from_zero(ctx, tmp_path, doubles):
+    """Under async scheduling two steps are in flight and both replies are often read at once; the
+    younger was never the oldest call, so it has no start to time it from. Timed from nothing, its
+    sample was the clock's whole reading and kept the step deadline at the generous one for good."""
+    d = doubles("manual")
+    clock = SimClock()
+    clock.now = 5000.0  # a monotonic clock's reading is far from 0
+    g = make_group(ctx, tmp_path, timeout=60, step_floor_s=0.3, clock=clock)
+    for i in range(20):  # two steps in flight, answered together: as step_with_batch_queue sees it
+        a = g.send(EXECUTE_AND_SAMPLE, (), None, pick=0, tokens=1)
+        b = g.send(EXECUTE_AND_SAMPLE, (), None, pick=0, tokens=1)
+        (ida, _, _), (idb, _, _) = d.wait_calls(2 * i + 2)[-2:]
+        clock.after(0.008, lambda: (d.reply_now(ida, "A"), d.reply_now(idb, "B")))
+        assert b.result() == "B" and a.result() == "A"
+    assert g.deadlines.warm
+    assert g.deadlines.timeout_for(1) == pytest.approx(0.3)  # 20 × ~8 ms, at the floor
+    assert max(g.deadlines.buckets[g.deadlines.bucket(1)]) < 1.0
+
+
 def test_spin_settings_are_microseconds_in_bounds_with_short_defaults():
     from engine_core.workers.spin import ENGINE_SPIN_ENV, MAX_US, WORKER_SPIN_ENV, spin_seconds
 

@@ -419,7 +419,9 @@ class WorkerGroup:
                     self._arm(head)
                 return
             del self.outstanding[head.call_id]
-            if head.tokens is not None and not head.errors:
+            # A call whose reply came with its elder's (both read at once, as under async
+            # scheduling while the engine was busy) was never the oldest: its time is unknown.
+            if head.tokens is not None and not head.errors and head.deadline is not None:
                 self.deadlines.observe(self.clock() - head.armed_at, head.tokens, head.kinds)
             head._settle()
             settled = True
