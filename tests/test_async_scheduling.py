@@ -42,7 +42,9 @@ def pair_daemon(tmp_path_factory):
               f'backoff_initial_s = 0.3\n'
               f'[[models]]\nname = "sync"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
               f'async_scheduling = false\n'
-              f'[[models]]\nname = "async"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}')
+              f'[[models]]\nname = "async"\nmodel = "{DEFAULT_MODEL_DIR}"\n[models.engine_args]\n{ENGINE_ARGS}'
+              f'[[models]]\nname = "async-thread"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
+              f'env = {{ SERVECTL_ASYNC_OUTPUT_THREAD = "1" }}\n[models.engine_args]\n{ENGINE_ARGS}')
     d = Daemon(tmp_path_factory.mktemp("async"), config=config)
     try:
         d.start()
@@ -102,22 +104,27 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_overlaps_steps(pair_d
                if line.startswith("servectl_engine_overlapped_steps{")}
     assert metrics['model="async"'] > 0
     assert metrics['model="sync"'] == 0
-    # The worker got vLLM's async model-runner outputs and resolved them on its output thread.
-    assert "async model outputs are resolved on an output thread" in pair_daemon.log("worker:async:0")
-    assert "output thread" not in pair_daemon.log("worker:sync:0")
+    # The worker got vLLM's async model-runner outputs and, on CPU, resolved them on its loop: the
+    # reply goes before the next step runs, or the engine would get each step's tokens a step late.
+    assert "async model outputs are resolved on the loop" in pair_daemon.log("worker:async:0")
+    assert "output thread" not in pair_daemon.log("worker:async:0")
+    assert "async model outputs" not in pair_daemon.log("worker:sync:0")
 
 
 def test_async_outputs_come_back_as_sampled_tokens_from_the_output_thread(pair_daemon):
-    """vLLM's async model output, resolved on the worker's output thread, still qualifies for the
-    unsigned tokens reply (engine_core/workers/tokens_reply.py): the path a GPU takes on every step."""
-    before = engine_stats(pair_daemon, "async")
+    """vLLM's async model output, resolved on the worker's output thread (the path a GPU takes on
+    every step; ``SERVECTL_ASYNC_OUTPUT_THREAD=1`` keeps it on CPU), gives the synchronous tokens and
+    still qualifies for the unsigned tokens reply (engine_core/workers/tokens_reply.py)."""
+    before = engine_stats(pair_daemon, "async-thread")
     client = pair_daemon.openai()
-    r = client.completions.create(model="async", prompt="def ", max_tokens=10, temperature=0,
+    r = client.completions.create(model="async-thread", prompt="def ", max_tokens=10, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 10
-    after = engine_stats(pair_daemon, "async")
+    after = engine_stats(pair_daemon, "async-thread")
     assert after.token_replies - before.token_replies >= 10
-    assert "async model outputs are resolved on an output thread" in pair_daemon.log("worker:async:0")
+    assert after.overlapped_steps > before.overlapped_steps
+    assert "async model outputs are resolved on an output thread" in pair_daemon.log("worker:async-thread:0")
+    assert complete_all(pair_daemon, "async-thread") == complete_all(pair_daemon, "sync")
 
 
 def test_an_abandoned_stream_drains_the_queue_and_the_workers_freeze(pair_daemon):

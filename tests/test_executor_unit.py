@@ -373,6 +373,27 @@ def test_worker_takes_step_n_plus_1_while_step_n_output_is_pending(ctx, tmp_path
     assert all(e[2] == "servectl-async-output" for e in outputs)  # off the worker's loop
 
 
+def test_on_a_cpu_the_worker_answers_step_n_before_it_runs_step_n_plus_1(ctx, tmp_path):
+    """Where the output is already on the host (vLLM's CPU runner), the loop resolves it and writes
+    the reply before it takes the next call: on the output thread the reply would go out only after
+    step N+1 ran, and the engine would get every step's tokens a step late."""
+    runner = FakeRunner()
+    runner.sample_tokens = lambda grammar_output, _sample=runner.sample_tokens: ready(_sample(grammar_output))
+    start_worker(ctx, tmp_path / "w0", runner, async_type=FakeAsyncOutput, resolve_inline=True)
+    g = make_group(ctx, tmp_path, timeout=10)
+    calls = StepCalls(g, output_rank=0)
+    out_n = calls.execute_model(step(1), non_block=True)
+    out_n1 = calls.execute_model(step(2), non_block=True)
+    assert g.overlapped_steps == 1
+    assert out_n.result() == {"step": 1, "tokens": [1]} and out_n1.result() == {"step": 2, "tokens": [2]}
+    assert runner.log == [("execute", 1), ("output", 1, "worker-main"), ("execute", 2), ("output", 2, "worker-main")]
+
+
+def ready(output: FakeAsyncOutput) -> FakeAsyncOutput:
+    output.release.set()  # a CPU's copy: done when the step returns
+    return output
+
+
 def test_synchronous_step_gets_the_sampled_output_from_execute_model(ctx, tmp_path, real_worker):
     """As EngineCore.step: execute_model(non_block=True).result() is the sampled output."""
     g = make_group(ctx, tmp_path, timeout=10)

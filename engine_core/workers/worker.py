@@ -26,7 +26,16 @@ finished replies back through one end of an inproc ZeroMQ PAIR (the loop
 writes them to the connection as soon as it is not inside a call). While
 anything is with the output thread, every later reply queues behind it
 there, so replies stay first in, first out. A worker that never sees an
-async output (CPU, or async scheduling off) never starts the thread.
+async output (async scheduling off) never starts the thread.
+
+On a CPU device there is no copy to wait for: vLLM's CPU runner makes the
+copy's event a no-op, so ``get_output()`` returns at once. There the output
+is resolved and its reply written on the loop (``resolve_inline``), before
+the loop takes step N+1: handed to the thread, it would be written only
+after step N+1 ran (the loop writes between calls), so the engine would get
+step N's tokens a whole step late and the batch queue would not overlap
+anything. ``SERVECTL_ASYNC_OUTPUT_THREAD=1`` keeps the thread on CPU (the
+GPU's path, for tests and A/Bs).
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire.worker import EXECUTE_AND_SAMPLE, STATS_METHOD
 
 TOKENS_REPLY_ENV = "SERVECTL_TOKENS_REPLY"  # "0": every reply a signed pickle (an A/B of the encoding)
+# "1": async outputs go to the output thread on CPU too (a GPU's path, for tests and A/Bs)
+OUTPUT_THREAD_ENV = "SERVECTL_ASYNC_OUTPUT_THREAD"
 _pair_ids = itertools.count()
 
 
@@ -117,8 +128,11 @@ class Replies:
     """Sends replies in call order; async outputs are resolved on an output thread."""
 
     def __init__(self, ctx: zmq.Context, conns: Connections, signer: Signer, log, async_type: type,
-                 thread_init: Callable[[], None] = lambda: None, tokens_codec: TokensReplyCodec | None = None):
+                 thread_init: Callable[[], None] = lambda: None, tokens_codec: TokensReplyCodec | None = None,
+                 resolve_inline: bool = False):
         self.ctx = ctx
+        self.resolve_inline = resolve_inline  # outputs already on the host (CPU): no thread, no wait
+        self.resolved_inline = 0
         self.tokens_codec = tokens_codec
         self.conns = conns
         self.signer = signer
@@ -135,6 +149,11 @@ class Replies:
 
     # ---- the loop's side ----------------------------------------------------------
     def send(self, peer: int, call_id: Any, ok: bool, value: Any) -> None:
+        if self.resolve_inline and not self.in_thread and isinstance(value, self.async_type):
+            if not self.resolved_inline:
+                self.log.info("async scheduling: async model outputs are resolved on the loop (already on the host)")
+            self.resolved_inline += 1
+            ok, value = self._resolve(ok, value)
         if isinstance(value, self.async_type) or self.in_thread:
             if self.thread is None:
                 self.log.info("async scheduling: async model outputs are resolved on an output thread")
@@ -162,6 +181,13 @@ class Replies:
         self.pair.close()
 
     # ---- both sides -------------------------------------------------------------------
+    def _resolve(self, ok: bool, value: Any) -> tuple[bool, Any]:
+        try:
+            return ok, value.get_output()
+        except Exception as exc:
+            self.log.exception("async model output failed")
+            return False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
     def _frames(self, call_id: Any, ok: bool, value: Any) -> list[bytes]:
         if ok and self.tokens_codec is not None:
             payload = self.tokens_codec.encode(call_id, value)
@@ -188,11 +214,7 @@ class Replies:
                     return
                 peer, call_id, ok, value = item
                 if isinstance(value, self.async_type):
-                    try:
-                        value = value.get_output()
-                    except Exception as exc:
-                        self.log.exception("async model output failed")
-                        ok, value = False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                    ok, value = self._resolve(ok, value)
                 out.send_multipart([str(peer).encode(), *self._frames(call_id, ok, value)], copy=False)
         except zmq.ContextTerminated:
             return
@@ -202,13 +224,15 @@ class Replies:
 
 def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
           run_method: Callable[..., Any] | None = None, async_type: type | None = None,
-          thread_init: Callable[[], None] | None = None, tokens_codec: TokensReplyCodec | None = None) -> None:
+          thread_init: Callable[[], None] | None = None, tokens_codec: TokensReplyCodec | None = None,
+          resolve_inline: bool | None = None) -> None:
     """The worker loop on a listening socket. Returns when ``ctx`` (the output thread's) is terminated.
 
     ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
     ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``, and
     ``tokens_codec`` to a codec of vLLM's ``ModelRunnerOutput``; tests pass stand-ins
-    so this loop runs without vLLM.
+    so this loop runs without vLLM. ``resolve_inline`` (async outputs resolved on the
+    loop, not the output thread) defaults to whether vLLM's platform is the CPU.
     """
     if wrapper is None:
         # vLLM is imported after the socket is bound so the engine can connect
@@ -238,6 +262,11 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
 
             tokens_codec = TokensReplyCodec(ModelRunnerOutput)
 
+        if resolve_inline is None:
+            from vllm.platforms import current_platform
+
+            resolve_inline = current_platform.is_cpu() and os.environ.get(OUTPUT_THREAD_ENV) != "1"
+
         def thread_init() -> None:
             # As vLLM's WorkerProc.async_output_busy_loop: a thread does not
             # inherit the device, and a CUDA call on it would otherwise create
@@ -251,7 +280,8 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
     assert run_method is not None
     poller = zmq.Poller()
     conns = Connections(log, poller)
-    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens_codec)
+    replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens_codec,
+                      bool(resolve_inline))
     listener.setblocking(False)
     listen_fd = listener.fileno()
     poller.register(listen_fd, zmq.POLLIN)
