@@ -200,8 +200,7 @@ class GatewayPool:
         for gw in self.members:
             if gw.child.alive and gw.child.state is ChildState.READY:
                 gw.child.signal(signal.SIGUSR1)
-        # event-proof: the operator's configured grace, once, on the way out.
-        await asyncio.sleep(grace_s)
+        await asyncio.sleep(grace_s)  # event-proof: the operator's configured grace, once, on the way out
 
     async def stop_all(self, grace_s: float) -> None:
         await asyncio.gather(*(self.stop(gw, grace_s) for gw in self.members))
