@@ -125,14 +125,15 @@ class Connections:
 
 
 class Replies:
-    """Sends replies in call order; async outputs are resolved on an output thread."""
+    """Sends replies in call order; async outputs are resolved on an output thread, or on the
+    loop where they are already on the host (``resolve_inline``)."""
 
     def __init__(self, ctx: zmq.Context, conns: Connections, signer: Signer, log, async_type: type,
                  thread_init: Callable[[], None] = lambda: None, tokens_codec: TokensReplyCodec | None = None,
                  resolve_inline: bool = False):
         self.ctx = ctx
         self.resolve_inline = resolve_inline  # outputs already on the host (CPU): no thread, no wait
-        self.resolved_inline = 0
+        self.inline_logged = False
         self.tokens_codec = tokens_codec
         self.conns = conns
         self.signer = signer
@@ -150,9 +151,9 @@ class Replies:
     # ---- the loop's side ----------------------------------------------------------
     def send(self, peer: int, call_id: Any, ok: bool, value: Any) -> None:
         if self.resolve_inline and not self.in_thread and isinstance(value, self.async_type):
-            if not self.resolved_inline:
+            if not self.inline_logged:
+                self.inline_logged = True
                 self.log.info("async scheduling: async model outputs are resolved on the loop (already on the host)")
-            self.resolved_inline += 1
             ok, value = self._resolve(ok, value)
         if isinstance(value, self.async_type) or self.in_thread:
             if self.thread is None:
