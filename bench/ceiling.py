@@ -45,7 +45,9 @@ def one(concurrency: int, n: int, input_len: int, output_len: int) -> dict:
     llm = LLM(model=str(DEFAULT_MODEL_DIR), enforce_eager=True, kv_cache_memory_bytes=KV_BYTES,
               max_model_len=MAX_MODEL_LEN, dtype=DTYPE, max_num_seqs=concurrency)
     vocab = llm.get_tokenizer().vocab_size
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    # The model's generation config, as both servers apply it to a request that sets no sampling.
+    params = SamplingParams.from_optional(**{**llm.model_config.get_diff_sampling_param(),
+                                             "max_tokens": output_len, "ignore_eos": True})
     todo = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, input_len, vocab)]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(4, input_len, vocab, seed=1)], params,
                  use_tqdm=False)  # warm-up, not counted
