@@ -685,6 +685,35 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
     assert call.result() == ["B"] and all(t == 0 for t in polls) and abs(len(polls) - 20) <= 1
 
 
+
+def test_with_the_next_step_queued_the_spin_starts_just_ahead_of_the_usual_end(ctx, tmp_path, doubles):
+    """Async scheduling: the next step is already with the worker while the engine waits for
+    this one's reply. Nothing idles until the engine answers, so it sleeps in the kernel until
+    just before the step's usual end (QUEUED_SPIN_LEAD_S), not half a spin ahead of it; the
+    step behind, alone in flight once the first is in, is spun for half a spin ahead again."""
+    from engine_core.workers.spin import QUEUED_SPIN_LEAD_S
+
+    d = doubles("manual")
+    clock = SimClock()
+    g = make_group(ctx, tmp_path, clock=clock)
+    polls = clock.polls
+    g.spin_s = 0.3
+    for _ in range(20):
+        g.deadlines.observe(0.3, tokens=64)
+    first = g.send("execute_model", (1,), None, tokens=64)
+    behind = g.send("execute_model", (2,), None, tokens=64)
+    (c1, _, _), (c2, _, _) = d.wait_calls(2)
+    clock.after(0.305, d.reply_now, c1, "A")
+    assert first.result() == ["A"]
+    asleep_ms = (0.3 - QUEUED_SPIN_LEAD_S) * 1000
+    assert asleep_ms - 1 <= polls[0] <= asleep_ms and all(t == 0 for t in polls[1:])
+    assert 4 <= len(polls[1:]) <= 7  # from 0.29975 s to the reply at 0.305 s, a turn a ms
+    polls.clear()
+    clock.after(0.28, d.reply_now, c2, "B")
+    assert behind.result() == ["B"]
+    assert polls[0] in (149, 150) and all(t == 0 for t in polls[1:])  # alone: half the spin ahead
+
+
 # ---- PendingCall: the Future surface vLLM's engine core uses, without a Future's locks -----
 
 def test_a_pending_call_answers_as_a_future_does(caplog):

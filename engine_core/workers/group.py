@@ -59,7 +59,7 @@ from engine_core.workers.link import (FrameError, FrameReader, peer_credentials,
                                       send_frames)
 from engine_core.workers.pending_call import PendingCall
 from engine_core.workers.signing import BadSignature, Signer
-from engine_core.workers.spin import ENGINE_SPIN_ENV, spin_seconds
+from engine_core.workers.spin import ENGINE_SPIN_ENV, QUEUED_SPIN_LEAD_S, spin_seconds
 from engine_core.workers.step_deadline import StepDeadline
 from engine_core.workers.tokens_reply import BadTokensReply, TokensReplyCodec
 from servectl.wire.worker import STEP_METHODS
@@ -357,9 +357,15 @@ class WorkerGroup:
         """When to start spinning for ``head``'s reply (monotonic), or None: no spin.
 
         A step whose size has a history is spun for from a little before its usual earliest
-        reply (half the spin ahead of the 10th percentile): a short step from about its start,
-        a long one (a big batch, a GPU's larger model) only around its end. Other calls, and
-        steps of a size not seen often yet, from now."""
+        reply (the 10th percentile): a short step from about its start, a long one (a big
+        batch, a GPU's larger model) only around its end. How far ahead depends on what the
+        reply holds up. With no call behind it the workers idle until the engine answers, so
+        the spin starts half of it ahead. With the next step already sent (async scheduling's
+        batch queue) the workers go straight on to that one and the engine has a whole step to
+        send the one after: a wake-up in the kernel costs nothing there, and spinning through
+        the step only takes the core the gateway and its clients share with the engine, so the
+        spin starts just ahead (QUEUED_SPIN_LEAD_S). Other calls, and steps of a size not seen
+        often yet, from now."""
         if not self.spin_s:
             return None
         if head.tokens is None:
@@ -367,7 +373,8 @@ class WorkerGroup:
         earliest = self.deadlines.earliest(head.tokens)
         if earliest is None:
             return self.clock()
-        return head.armed_at + max(0.0, earliest - self.spin_s / 2)
+        lead = self.spin_s / 2 if len(self.outstanding) < 2 else min(self.spin_s / 2, QUEUED_SPIN_LEAD_S)
+        return head.armed_at + max(0.0, earliest - lead)
 
     def _hung(self, head: PendingCall) -> None:
         self._lost(f"worker rank(s) {sorted(head.waiting)} gave no reply to {head.method} "
