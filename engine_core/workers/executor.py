@@ -142,9 +142,9 @@ def honour_async_scheduling_on_cpu() -> None:
     cores, so an engine scheduling beside it would take a core from the step).
     servectl's worker leaves a core to the engine (docs/decisions.md), and its
     hop costs a pickle, two MACs and two wake-ups a step, which the batch queue
-    overlaps with the worker's step: c=1 1.13× in the A/B
-    (bench/results/2026-11-30-async-ab.md). The outputs equal the synchronous
-    path's (tests/test_async_scheduling.py), so the decision stands on CPU.
+    overlaps with the worker's step (docs/performance.md has the rounds against
+    `vllm serve`). The outputs equal the synchronous path's
+    (tests/test_async_scheduling.py), so the decision stands on CPU.
     """
     from vllm.platforms import current_platform
 
