@@ -685,7 +685,6 @@ def test_a_long_step_is_spun_for_only_around_its_usual_end(ctx, tmp_path, double
     assert call.result() == ["B"] and all(t == 0 for t in polls) and abs(len(polls) - 20) <= 1
 
 
-
 def test_with_the_next_step_queued_the_spin_starts_just_ahead_of_the_usual_end(ctx, tmp_path, doubles):
     """Async scheduling: the next step is already with the worker while the engine waits for
     this one's reply. Nothing idles until the engine answers, so it sleeps in the kernel until

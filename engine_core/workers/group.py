@@ -360,9 +360,9 @@ class WorkerGroup:
         reply (the 10th percentile): a short step from about its start, a long one (a big
         batch, a GPU's larger model) only around its end. How far ahead depends on what the
         reply holds up. With no call behind it the workers idle until the engine answers, so
-        the spin starts half of it ahead. With the next step already sent (async scheduling's
-        batch queue) the workers go straight on to that one and the engine has a whole step to
-        send the one after: a wake-up in the kernel costs nothing there, and spinning through
+        the spin starts half of it ahead. With another call already sent behind it (the next
+        step, in async scheduling's batch queue) the workers go straight on to that one and the
+        engine has a whole step to send the one after: a wake-up in the kernel costs nothing there, and spinning through
         the step only takes the core the gateway and its clients share with the engine, so the
         spin starts just ahead (QUEUED_SPIN_LEAD_S). Other calls, and steps of a size not seen
         often yet, from now."""
