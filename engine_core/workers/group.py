@@ -362,10 +362,10 @@ class WorkerGroup:
         reply holds up. With no call behind it the workers idle until the engine answers, so
         the spin starts half of it ahead. With another call already sent behind it (the next
         step, in async scheduling's batch queue) the workers go straight on to that one and the
-        engine has a whole step to send the one after: a wake-up in the kernel costs nothing there, and spinning through
-        the step only takes the core the gateway and its clients share with the engine, so the
-        spin starts just ahead (QUEUED_SPIN_LEAD_S). Other calls, and steps of a size not seen
-        often yet, from now."""
+        engine has a whole step to send the one after: a wake-up in the kernel costs nothing
+        there, and spinning through the step only takes the core the gateway and its clients
+        share with the engine, so the spin starts just ahead (QUEUED_SPIN_LEAD_S). Other
+        calls, and steps of a size not seen often yet, from now."""
         if not self.spin_s:
             return None
         if head.tokens is None:

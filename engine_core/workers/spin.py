@@ -11,10 +11,9 @@ that has work: without the yield, spinning lost 19–33 % on 2 cores; with it,
 it gained (bench/results/2026-11-30-yield-spin-ab.md). Neither spins while nothing is in flight,
 so an idle tree stays asleep; 0 blocks at once. The engine starts its spin
 for a step of a familiar size only shortly before that size's usual reply
-(``WorkerGroup._spin_from``), sleeping in the kernel until then; with the next
-step already queued behind it (async scheduling) only just before, since the
-worker goes straight on to that step: 1.12× at c=1, 1.02× at c=16 against
-spinning half the spin ahead (bench/results/2026-12-03-spin-lead-ab.md).
+(``WorkerGroup._spin_from``), sleeping in the kernel until then; with another
+call already queued behind it (async scheduling) only just before, since the
+worker goes straight on to that one (bench/results/2026-12-03-spin-lead-ab.md).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import os
 ENGINE_SPIN_ENV = "SERVECTL_ENGINE_SPIN_US"
 WORKER_SPIN_ENV = "SERVECTL_WORKER_SPIN_US"
 DEFAULTS_US = {ENGINE_SPIN_ENV: 5000.0, WORKER_SPIN_ENV: 2000.0}
-# With the next step already queued behind the one in flight, the engine's spin starts only
+# With another call already queued behind the one in flight, the engine's spin starts only
 # this far ahead of the step's usual earliest reply (WorkerGroup._spin_from).
 QUEUED_SPIN_LEAD_S = 250e-6
 MAX_US = 100_000.0  # a tenth of a second: longer is no longer "right after work arrived"
