@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from servectl import __version__
 from servectl.wire import control as P
 from servectl import config as C
 from servectl.client import (MAX_REPLY_BYTES, ControlClient, NotRunning, PermissionDenied, StartFailed, spawn_manager,
@@ -99,7 +100,7 @@ class Main(click.Group):
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="servectl")
+@click.version_option(__version__, prog_name="servectl")
 def main() -> None:
     """Serve LLMs with a supervisor that owns every process."""
 

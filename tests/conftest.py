@@ -111,8 +111,12 @@ class Daemon:
     """
 
     def __init__(self, tmp: Path, config: str = "", args: list[str] | None = None, env: dict | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, command: list[str] | None = None, cwd: Path | None = None):
         self.api_key = api_key
+        # The `servectl` command and its working directory: this checkout's by default; an installed
+        # one (tests/test_install.py) runs from outside the tree.
+        self.command = command or SERVECTL
+        self.cwd = cwd or ROOT
         self.runtime_dir = tmp / "rt"
         self.config_path = tmp / "servectl.toml"
         self.config_path.write_text(config)
@@ -129,8 +133,8 @@ class Daemon:
         self.start_output: subprocess.CompletedProcess | None = None
 
     def cli(self, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*SERVECTL, *args, "--runtime-dir", str(self.runtime_dir)], capture_output=True,
-                              text=True, env=self.env, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run([*self.command, *args, "--runtime-dir", str(self.runtime_dir)], capture_output=True,
+                              text=True, env=self.env, timeout=timeout, cwd=self.cwd)
         if check and proc.returncode != 0:
             raise AssertionError(f"servectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -228,8 +232,10 @@ class DaemonFactory:
         self.daemons: list[Daemon] = []
 
     def __call__(self, config: str = "", *, args: list[str] | None = None, env: dict | None = None,
-                 api_key: str | None = None, start: bool = True, expect_ok: bool = True) -> Daemon:
-        d = Daemon(self.tmp_path_factory.mktemp(self.name), config=config, args=args, env=env, api_key=api_key)
+                 api_key: str | None = None, start: bool = True, expect_ok: bool = True,
+                 command: list[str] | None = None, cwd: Path | None = None) -> Daemon:
+        d = Daemon(self.tmp_path_factory.mktemp(self.name), config=config, args=args, env=env, api_key=api_key,
+                   command=command, cwd=cwd)
         self.daemons.append(d)
         if start:
             d.start(expect_ok=expect_ok)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -84,29 +83,14 @@ def test_commands_say_plainly_when_not_running(daemon_factory):
     assert procs[-1].returncode == 0 and "not running" in outs[-1][0]
 
 
-def test_systemd_unit_verifies(tmp_path):
-    analyze = shutil.which("systemd-analyze")
-    assert analyze, "systemd-analyze is installed by the test command (python -m servectl.doctor --fix --tests)"
-    servectl = shutil.which("servectl") or str(ROOT / "servectl")
-    unit = (ROOT / "systemd" / "servectl.service").read_text().replace("/usr/local/bin/servectl", servectl)
+@pytest.mark.unit  # a file only
+def test_systemd_unit_keys():
+    """The unit's own keys (`systemd-analyze verify` of it, with the installed command: test_install.py)."""
+    unit = (ROOT / "systemd" / "servectl.service").read_text()
     for key in ("Type=notify", "KillMode=mixed", "RuntimeDirectory=servectl", "RuntimeDirectoryMode=0750",
                 "Restart=on-failure", "ExecReload=", "TimeoutStopSec="):
         assert key in unit, key
     assert "PrivateDevices=yes" not in unit
-    path = tmp_path / "servectl.service"
-    path.write_text(unit)
-    proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
-    # This host may lack the unit's User=/Group= (servectl): that alone is not a problem of the unit.
-    host_only = [line for line in proc.stderr.splitlines() if "Unknown user" in line or "Unknown group" in line]
-    problems = [line for line in proc.stderr.splitlines() if "servectl.service" in line and line not in host_only]
-    assert problems == [], proc.stderr
-    if not host_only:
-        assert proc.returncode == 0, proc.stderr
-    # Positive control: verify does check the command.
-    path.write_text(unit.replace(servectl, "/nonexistent/servectl"))
-    bad = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True)
-    assert bad.returncode != 0, bad.stderr
-    assert "/nonexistent/servectl" in bad.stderr
 
 
 def test_sd_notify_protocol(tmp_path, daemon_factory):

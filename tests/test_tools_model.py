@@ -1,13 +1,11 @@
 """The bundled tool-calling model (servectl/model/tools): its card, its training script, the
-parsers vLLM serves it with, and that the wheel ships it beside the default model."""
+parsers vLLM serves it with (that the wheel ships it: test_install.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import zipfile
 
 import pytest
 
@@ -91,27 +89,3 @@ def test_tool_training_script_smoke(tmp_path):
         assert (out / name).exists(), name
     st = json.loads((out / "training_stats.json").read_text())
     assert st["steps"] == 3 and st["smoke"] and "tool_call" in st["held_out_eval"]
-
-
-def test_wheel_ships_the_models_and_the_pages_assets(tmp_path):
-    """Build the wheel from a copy of the source (no build/ or egg-info left in the checkout)."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for pkg in ("servectl", "manager", "engine_core", "api_gateway"):
-        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(tmp_path / "dist"), str(src)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (wheel,) = (tmp_path / "dist").glob("servectl-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for model in ("default", "tools", "classify", "lora/vllm-code"):  # classify: issue 33's; the adapter: 34's
-        for f in (ROOT / "servectl" / "model" / model).iterdir():
-            assert f"servectl/model/{model}/{f.name}" in names, (model, f.name)
-    for f in SHIPPED:
-        assert f"servectl/model/tools/{f}" in names, f
-    # The status page's assets (issue 38): in the package, nothing fetched at run time.
-    for f in (ROOT / "api_gateway" / "ui").iterdir():
-        assert f"api_gateway/ui/{f.name}" in names, f.name
