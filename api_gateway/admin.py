@@ -23,6 +23,7 @@ from aiohttp import web
 from api_gateway.errors import HttpError
 from api_gateway.http_policy import is_json_content_type
 from api_gateway.keys import Access, RefusalBudget, bearer_token, fingerprint
+from api_gateway.link_state import LinkState
 from servectl.wire import control as MP
 from servectl.wire.spawn import model_of
 
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("api_gateway.admin")
 
 PREFIX = "/servectl/v1/"
+# How long a verb's answer waits for this gateway's view to show the change (its events trail the
+# manager's answer by a moment; a gateway whose events stall still answers, after this).
+AGREE_TIMEOUT_S = 5.0
+# A replica's link states that a done `load` or `restart` may leave: serving, released until a
+# request, or failed (the manager's answer already said so).
+SETTLED_LINKS = frozenset({LinkState.READY, LinkState.RELEASED, LinkState.FAILED})
 # vLLM's runtime LoRA routes (`vllm serve` with VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the admin keys
 # here like the other management routes: not behind the API keys alone.
 LORA_TIMEOUT_S = MP.LORA_CHANGE_TIMEOUT_S + 30  # past the manager's own bound on the engine's answer
@@ -65,7 +72,7 @@ class AdminRoutes:
     def __init__(self, gateway: "Gateway"):
         self.gw = gateway
         self.refusals = RefusalBudget()
-        self.timeout_s = 10.0  # for the manager's answer (it answers these at once)
+        self.timeout_s = 10.0  # for the manager's answer to what it answers at once (beyond a verb's wait)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get(PREFIX + "models", self.models)
@@ -131,11 +138,29 @@ class AdminRoutes:
 
     @staticmethod
     def answer(name: str, action: str, ack: MP.Ack | MP.StatusReply) -> web.Response:
+        """200 with ``done: true`` once the change is done; 202 with ``done: false`` while it is
+        under way (the caller's ``wait`` ran out: the same call again waits for it); 409 when the
+        manager refused it (with why)."""
         if not isinstance(ack, MP.Ack):
             raise HttpError(503, "the manager gave no answer to the command", "service_unavailable")
         if not ack.ok:
             raise HttpError(409, ack.message, code="not_done")
-        return web.json_response({"model": name, "action": action, "done": True, "message": ack.message})
+        return web.json_response({"model": name, "action": action, "done": ack.done, "message": ack.message},
+                                 status=200 if ack.done else 202)
+
+    @staticmethod
+    def wait_s(request: web.Request) -> float | None:
+        """``?wait=SECONDS``: how long this call waits for its change (default: until it is done)."""
+        raw = request.query.get("wait")
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value <= MP.MAX_VERB_WAIT_S:  # also NaN
+            raise HttpError(400, f"wait: seconds from 0 to {MP.MAX_VERB_WAIT_S:g} (got {raw[:40]!r})", param="wait")
+        return value
 
     # ---- routes ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -178,20 +203,53 @@ class AdminRoutes:
         }
 
     async def load(self, request: web.Request) -> web.Response:
-        return await self.command(request, "load", lambda name, who: MP.LoadConfigured(name=name, http=who))
+        return await self.command(request, "load", lambda name, who, wait_s: MP.LoadConfigured(
+            name=name, http=who, wait_s=wait_s))
 
     async def unload(self, request: web.Request) -> web.Response:
-        return await self.command(request, "unload", lambda name, who: MP.UnloadModel(name=name, http=who))
+        return await self.command(request, "unload", lambda name, who, wait_s: MP.UnloadModel(
+            name=name, http=who, wait_s=wait_s), gone=True)
 
     async def restart(self, request: web.Request) -> web.Response:
-        return await self.command(request, "restart", lambda name, who: MP.RestartRequest(model=name, http=who))
+        return await self.command(request, "restart", lambda name, who, wait_s: MP.RestartRequest(
+            model=name, http=who, wait_s=wait_s))
 
-    async def command(self, request: web.Request, action: str, message) -> web.Response:
-        """Check the caller, the model; send the manager ``message(name, caller)``; say what it did."""
+    async def command(self, request: web.Request, action: str, message, gone: bool = False) -> web.Response:
+        """Check the caller, the model; send the manager ``message(name, caller, wait_s)``; say what
+        it did once done (or, past ``?wait=``, that it is under way). ``gone``: done means the
+        model is no longer served."""
         who = self.check(request)
         name = request.match_info["model"]
+        wait_s = self.wait_s(request)
         await self.known(name)
-        return self.answer(name, action, await self.ask(message(name, who)))
+        # The manager answers within wait_s (or, without it, when the change's own bound is over).
+        timeout_s = (wait_s if wait_s is not None else MP.MAX_VERB_WAIT_S) + self.timeout_s
+        ack = await self.ask(message(name, who, wait_s), timeout_s)
+        if isinstance(ack, MP.Ack) and ack.ok and ack.done:
+            await self.agreed(name, gone)
+        return self.answer(name, action, ack)
+
+    async def agreed(self, name: str, gone: bool) -> None:
+        """Until this gateway's view shows what the manager said is done — ``name`` gone, or with a
+        replica it can send requests to (or released until one comes) — so a request sent on the
+        answer finds it so. The manager's events can trail its answer by a moment; bounded."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + AGREE_TIMEOUT_S
+        while True:
+            served = self.gw.served.get(model_of(name))
+            links = [] if served is None else [link for group, link in served.links.items()
+                                               if group == name or model_of(group) == name]
+            if (not links) if gone else (links and all(link.state in SETTLED_LINKS for link in links)):
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            waits = [self.gw.manager.changed.wait(), *([served.changed.wait()] if served is not None else [])]
+            # event-proof: this gateway's next model event or link change, bounded by AGREE_TIMEOUT_S.
+            done, pending = await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=left,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
 
     async def freeze(self, request: web.Request) -> web.Response:
         who = self.check(request)

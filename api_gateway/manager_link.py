@@ -70,6 +70,9 @@ class ManagerLink:
         self.component = ""  # ours in the manager's words (set by send_ready)
         self.on_api_keys = lambda keys: None  # a reload rotated the API or admin keys (MP.ApiKeys)
         self.on_event = lambda ev: None  # every manager event, as it comes (the status page's)
+        # Set (and replaced) on each model event: an admin verb's answer waits on it until this
+        # gateway's view shows the change the manager said is done (api_gateway/admin.py).
+        self.changed = asyncio.Event()
 
     def _new_link(self, group: str) -> EngineLink:
         link = EngineLink(group, str(self.paths.engine(group)), self.ctx, self.identity.encode(), wake=self.wake,
@@ -144,6 +147,8 @@ class ManagerLink:
                        config_id: str = "", loras: list[MP.LoraModule] | None = None,
                        unfit: str | None = None) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`), and so do their LoRA adapters."""
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
         link = self.links.get(model)
         if state == ModelState.REMOVED:
             if link is not None:
@@ -191,8 +196,8 @@ class ManagerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MANAGER_MESSAGE_BYTES)
         try:
             sock.connect(RuntimePaths.ipc(self.paths.control))
-            # event-proof: the manager answers these at once (a LoRA change within LORA_CHANGE_TIMEOUT_S);
-            # bounded so a stuck manager is a 503.
+            # event-proof: the manager answers these at once (a LoRA change within LORA_CHANGE_TIMEOUT_S,
+            # a model verb within its caller's wait); bounded so a stuck manager is a 503.
             async with asyncio.timeout(timeout_s):
                 await sock.send(MP.encoder.encode(msg))
                 reply = MP.control_out_decoder.decode(await sock.recv())

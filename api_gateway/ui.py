@@ -236,9 +236,11 @@ class UiRoutes:
         key_id = token.split(".")[1]
         who = self.g.admin.caller(request, key_id)
         await self.g.admin.known(name)
-        message = {"load": lambda: MP.LoadConfigured(name=name, http=who),
-                   "unload": lambda: MP.UnloadModel(name=name, http=who),
-                   "restart": lambda: MP.RestartRequest(model=name, http=who),
+        # The page follows the change in the model's events: the button is answered once it is under
+        # way (202, done: false), not when it is done.
+        message = {"load": lambda: MP.LoadConfigured(name=name, http=who, wait_s=0),
+                   "unload": lambda: MP.UnloadModel(name=name, http=who, wait_s=0),
+                   "restart": lambda: MP.RestartRequest(model=name, http=who, wait_s=0),
                    "freeze": lambda: MP.SetFreezing(model=name, enabled=True, http=who),
                    "thaw": lambda: MP.SetFreezing(model=name, enabled=False, http=who)}[verb]()
         return self.g.admin.answer(name, verb, await self.g.admin.ask(message))

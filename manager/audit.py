@@ -110,6 +110,7 @@ def command_args(msg: msgspec.Struct) -> dict:
     args = msgspec.to_builtins(msg)
     args.pop("type", None)
     args.pop("http", None)  # said as the record's who (audit_record)
+    args.pop("wait_s", None)  # how long its caller waited: not what it changes
     model = args.get("model")
     if isinstance(model, dict) and isinstance(model.get("env"), dict):
         model["env"] = dict.fromkeys(model["env"], REDACTED)

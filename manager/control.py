@@ -33,8 +33,8 @@ import zmq.asyncio
 
 from manager import loras
 from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_record, parse_peer_address
+from manager.verbs import ModelVerbs
 from servectl import config as C
-from servectl import kv_events
 from servectl.paths import RuntimePaths
 from servectl.wire import control as P
 from servectl.wire.spawn import ENGINE, GATEWAY, engine_identity, parse_component
@@ -90,6 +90,7 @@ class ControlServer:
         self.owners = {os.geteuid(), 0}
         self.audit = AuditLog(manager.state_dir / "audit.log")
         self.settled_waiters: list[Caller] = []
+        self.verbs = ModelVerbs(manager, lambda coro, name: manager.tasks.start(coro, name))
         self.handlers = {
             P.ChildReady: self.on_child_ready,
             P.GroupFrozen: self.on_group_frozen,
@@ -315,11 +316,19 @@ class ControlServer:
         self.manager.request_shutdown(msg.timeout_s)
 
     def on_restart(self, caller: Caller, msg: P.RestartRequest) -> None:
-        if msg.model is not None and not self.manager.groups_of(msg.model):
-            self.reply(caller, self.no_model(msg.model))
-            return
-        names = self.manager.restart(msg.model)
-        self.reply(caller, P.Ack(ok=True, message=f"restarting {', '.join(names)}"))
+        self.answer_when_done(caller, self.verbs.restart(msg.model, msg.wait_s), f"restart {msg.model or 'all'}")
+
+    def answer_when_done(self, caller: Caller, verb: Coroutine, name: str) -> None:
+        """A model verb's answer, sent when its change is done (manager/verbs.py) or the caller's
+        wait is over; a manager that stops meanwhile says so."""
+        async def run() -> None:
+            try:
+                self.reply(caller, await verb)
+            except asyncio.CancelledError:
+                self.reply(caller, P.Ack(ok=False, message="the daemon is stopping"))
+                raise
+
+        self.manager.tasks.start(run(), name)
 
     def on_reload(self, caller: Caller, msg: P.ReloadRequest) -> None:
         async def run() -> None:
@@ -329,40 +338,10 @@ class ControlServer:
         self.manager.tasks.start(run(), "reload")
 
     def on_load(self, caller: Caller, msg: P.LoadModel) -> None:
-        if self.manager.serves(msg.model.name):
-            self.reply(caller, P.Ack(ok=False, message=f"model {msg.model.name!r} is already served"))
-            return
-        if (why := self.manager.name_taken_by_adapter([msg.model])) is not None:
-            self.reply(caller, P.Ack(ok=False, message=why))
-            return
-        m = self.manager
-        try:
-            cfg = C.finalize(C.Config(gateway=m.gateway_cfg, manager=m.settings, models=[msg.model]))
-            served = {g.model: g.model_cfg for g in m.groups.values()}
-            clash = kv_events.port_clash([*served.values(), cfg.models[0]], m.gateway_cfg.port)
-            if clash:
-                raise C.ConfigError(clash)
-        except C.ConfigError as exc:
-            self.reply(caller, P.Ack(ok=False, message=str(exc)))
-            return
-        m.add_model(cfg.models[0])
-        self.reply(caller, P.Ack(ok=True, message=f"loading {msg.model.name}"))
+        self.answer_when_done(caller, self.verbs.load(msg.model.name, msg.model, msg.wait_s), f"load {msg.model.name}")
 
     def on_load_configured(self, caller: Caller, msg: P.LoadConfigured) -> None:
-        m = self.manager
-        if m.serves(msg.name):
-            self.reply(caller, P.Ack(ok=False, message=f"model {msg.name!r} is already served"))
-            return
-        model = m.configured.get(msg.name)
-        if model is None:
-            self.reply(caller, P.Ack(ok=False, message=f"no configured model {msg.name!r}; configured: "
-                                                       f"{', '.join(m.configured) or 'none'}"))
-            return
-        if (why := m.name_taken_by_adapter([model])) is not None:
-            self.reply(caller, P.Ack(ok=False, message=why))
-            return
-        m.add_model(model)
-        self.reply(caller, P.Ack(ok=True, message=f"loading {msg.name}"))
+        self.answer_when_done(caller, self.verbs.load(msg.name, None, msg.wait_s), f"load {msg.name}")
 
     def on_http_refused(self, caller: Caller, msg: P.HttpRefused) -> None:
         """A gateway's refusal of a management call: recorded, nothing else (no reply)."""
@@ -372,11 +351,7 @@ class ControlServer:
         self.audit.write(record)
 
     def on_unload(self, caller: Caller, msg: P.UnloadModel) -> None:
-        if not self.manager.serves(msg.name):
-            self.reply(caller, self.no_model(msg.name))
-            return
-        self.manager.tasks.start(self.manager.remove_model(msg.name), f"unload {msg.name}")
-        self.reply(caller, P.Ack(ok=True, message=f"unloading {msg.name}"))
+        self.answer_when_done(caller, self.verbs.unload(msg.name, msg.wait_s), f"unload {msg.name}")
 
     def on_lora_change(self, caller: Caller, msg: P.LoadLora | P.UnloadLora) -> None:
         """Load or unload a LoRA adapter; answered once the model's engine has done it (or refused)."""

@@ -34,7 +34,7 @@ from manager.control import ControlServer
 from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import plan_reload
-from manager.rollout import DECIDED, Rollout
+from manager.rollout import Rollout
 from manager.sdnotify import notify
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
@@ -380,21 +380,6 @@ class Manager:
         """How long a start of ``model`` may take before a reload or restart stops waiting for it:
         what a request would wait for it (its hold timeout, else the gateways')."""
         return model.hold_timeout_s or self.gateway_cfg.hold_timeout_s
-
-    def restart(self, model: str | None) -> list[str]:
-        """An operator's restart: a model's groups (a replica's alone), or every group, one at a time
-        (the others keep serving)."""
-        targets = self.groups_of(model) if model else list(self.groups.values())
-
-        async def run() -> None:
-            for i, group in enumerate(targets):
-                await group.restart(self.settings.drain_timeout_s, self.settings.stop_grace_s)
-                if i + 1 < len(targets) and group.model == targets[i + 1].model:
-                    # A replica is serving again before its sibling goes (bounded: a start that fails).
-                    await self.state_in(group, DECIDED, self.hold_s(group.model_cfg))
-
-        self.tasks.start(run(), f"restart {model or 'every model'}")
-        return [g.name for g in targets]
 
     def request_reload(self) -> None:
         """SIGHUP: as `servectl reload`, audited as the signal (its sender is not known here)."""

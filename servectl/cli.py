@@ -318,12 +318,34 @@ def status(runtime_dir, as_json):
     sys.exit(0 if ok else 1)
 
 
+def wait_options(f):
+    """--wait/--no-wait and --timeout of a model verb (load, unload, restart)."""
+    f = click.option("--timeout", "wait_s", type=click.FloatRange(0, P.MAX_VERB_WAIT_S), default=None,
+                     help="Seconds to wait for the change (default: until it is done); past it, exit 0 "
+                          "saying it is under way.")(f)
+    return click.option("--wait/--no-wait", default=True, show_default=True,
+                        help="Return once the change is done, or once it is under way.")(f)
+
+
+def verb_wait(wait: bool, wait_s: float | None) -> float | None:
+    return wait_s if wait else 0.0
+
+
+def verb_timeout(wait: bool, wait_s: float | None) -> float:
+    """How long the CLI waits for the manager's answer: past the wait the manager keeps to."""
+    return (P.MAX_VERB_WAIT_S if wait and wait_s is None else verb_wait(wait, wait_s)) + 10
+
+
 @main.command()
 @runtime_option
 @click.argument("model", required=False)
-def restart(runtime_dir, model):
-    """Restart one model's engine group (clears `failed`), or every group one at a time."""
-    ack_or_exit(runtime_dir, P.RestartRequest(model=model))
+@wait_options
+def restart(runtime_dir, model, wait, wait_s):
+    """Restart one model's engine group (clears `failed`), or every group one at a time.
+
+    Returns once restarted (serving again, or failed: exit 1), unless --no-wait."""
+    ack_or_exit(runtime_dir, P.RestartRequest(model=model, wait_s=verb_wait(wait, wait_s)),
+                timeout=verb_timeout(wait, wait_s))
 
 
 def ack_or_exit(runtime_dir, msg, timeout: float = 10) -> None:
@@ -353,10 +375,15 @@ def reload(runtime_dir):
 @click.option("--tensor-parallel-size", "--tp", "tp", type=int, default=1, show_default=True)
 @click.option("--devices", help="CUDA_VISIBLE_DEVICES for this model's workers.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="vLLM engine argument.")
-def load(runtime_dir, name, path, tp, devices, engine_args):
-    """Start serving another model at runtime (until the next reload), or a configured one again."""
+@wait_options
+def load(runtime_dir, name, path, tp, devices, engine_args, wait, wait_s):
+    """Start serving another model at runtime (until the next reload), or a configured one again.
+
+    Returns once it serves (or is released until its first request, as configured; or failed:
+    exit 1), unless --no-wait. While the model is being unloaded, it is loaded once it is gone."""
+    timeout = verb_timeout(wait, wait_s)
     if path is None:
-        ack_or_exit(runtime_dir, P.LoadConfigured(name=name))
+        ack_or_exit(runtime_dir, P.LoadConfigured(name=name, wait_s=verb_wait(wait, wait_s)), timeout=timeout)
     try:
         model = msgspec.convert({"name": name, "model": path, "tensor_parallel_size": tp, "devices": devices,
                                  "engine_args": parse_engine_args(engine_args)}, C.ModelConfig)
@@ -368,15 +395,17 @@ def load(runtime_dir, name, path, tp, devices, engine_args):
         for msg in bad:
             say(err, (msg, "red"))
         sys.exit(CONFIG_ERROR)
-    ack_or_exit(runtime_dir, P.LoadModel(model=model))
+    ack_or_exit(runtime_dir, P.LoadModel(model=model, wait_s=verb_wait(wait, wait_s)), timeout=timeout)
 
 
 @main.command()
 @runtime_option
 @click.argument("name")
-def unload(runtime_dir, name):
-    """Drain and stop one model's engine group."""
-    ack_or_exit(runtime_dir, P.UnloadModel(name=name))
+@wait_options
+def unload(runtime_dir, name, wait, wait_s):
+    """Drain and stop one model's engine groups; returns once they are gone, unless --no-wait."""
+    ack_or_exit(runtime_dir, P.UnloadModel(name=name, wait_s=verb_wait(wait, wait_s)),
+                timeout=verb_timeout(wait, wait_s))
 
 
 @main.command()

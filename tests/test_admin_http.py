@@ -109,29 +109,60 @@ def test_freezing_turns_off_and_on(d):
 def test_unload_then_load_brings_the_model_back_and_it_answers(d):
     r = http(d, "POST", f"{MODELS}/default/unload", key=ADMIN)
     assert r.status == 200 and r.json() == {"model": "default", "action": "unload", "done": True,
-                                            "message": "unloading default"}, r.text
-    wait_for(lambda: entry(d)["state"] == "unloaded", 120, what="the model unloaded")
+                                            "message": "unloaded default"}, r.text
+    # Done means done: no wait for it after the answer.
     assert entry(d) == {"name": "default", "model": "default", "state": "unloaded", "served": False}
     assert http(d, "GET", "/v1/models").json()["data"] == []
     gone = completion(d)
     assert gone.status == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
     r = http(d, "POST", f"{MODELS}/default/load", key=ADMIN)
-    assert r.status == 200 and r.json()["message"] == "loading default", r.text
-    wait_for(lambda: entry(d)["state"] == "ready", 180, what="the model loaded again",
-             diagnose=lambda: d.log_tails("manager", "engine_core:default"))
+    assert r.status == 200 and r.json() == {"model": "default", "action": "load", "done": True,
+                                            "message": "loaded default: ready"}, r.text
+    assert entry(d)["state"] == "ready"
     answer = completion(d)
     assert answer.status == 200 and answer.json()["usage"]["completion_tokens"] == 4, answer.text
 
 
+def test_unload_and_load_back_to_back_over_http_leave_the_model_serving(d):
+    """The operator script of issue 51: an unload that answers before the drain is over, then a
+    load at once — the load waits for the unload and loads (it was a 409, and the model stayed
+    unloaded)."""
+    r = http(d, "POST", f"{MODELS}/default/unload?wait=0", key=ADMIN)
+    assert r.status == 202 and r.json()["done"] is False and "under way" in r.json()["message"], r.text
+    r = http(d, "POST", f"{MODELS}/default/load", key=ADMIN)
+    assert r.status == 200 and r.json()["done"] is True and r.json()["message"] == "loaded default: ready", r.text
+    assert entry(d)["state"] == "ready"
+    assert completion(d).status == 200
+    # A load that is not waited for, then the same call again: it waits for the one under way.
+    assert http(d, "POST", f"{MODELS}/default/unload", key=ADMIN).json()["done"] is True
+    r = http(d, "POST", f"{MODELS}/default/load?wait=0", key=ADMIN)
+    assert r.status == 202 and r.json()["done"] is False, r.text
+    r = http(d, "POST", f"{MODELS}/default/load", key=ADMIN)
+    assert r.status == 200 and r.json()["done"] is True, r.text
+    assert completion(d).status == 200
+
+
 def test_the_cli_loads_a_configured_model_by_its_name(d):
     r = d.cli("unload", "default")
-    assert r.returncode == 0, r.stdout + r.stderr
-    wait_for(lambda: entry(d)["state"] == "unloaded", 120, what="the model unloaded")
+    assert r.returncode == 0 and "unloaded default" in r.stdout, r.stdout + r.stderr
+    assert entry(d)["state"] == "unloaded"
     r = d.cli("load", "default")
-    assert r.returncode == 0 and "loading default" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "loaded default: ready" in r.stdout, r.stdout + r.stderr
+    assert entry(d)["state"] == "ready"
     assert d.cli("load", "nope").returncode == 1
-    wait_for(lambda: entry(d)["state"] == "ready", 180, what="the model loaded again")
     assert completion(d).status == 200
+
+
+def test_cli_unload_and_load_back_to_back_leave_the_model_serving(d):
+    """`servectl unload default && servectl load default`, and the same with --no-wait first."""
+    for first in (["unload", "default"], ["unload", "default", "--no-wait"]):
+        r = d.cli(*first)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert ("under way" if "--no-wait" in first else "unloaded default") in r.stdout, r.stdout
+        r = d.cli("load", "default")
+        assert r.returncode == 0 and "loaded default: ready" in r.stdout, r.stdout + r.stderr
+        assert entry(d)["state"] == "ready"
+        assert completion(d).status == 200
 
 
 class Stream(threading.Thread):
@@ -171,7 +202,8 @@ def test_a_restart_under_load_costs_no_client_errors(d):
     for s in streams:
         assert s.started.wait(120)
     r = http(d, "POST", f"{MODELS}/default/restart", key=ADMIN)
-    assert r.status == 200 and r.json()["message"] == "restarting default", r.text
+    assert r.status == 200 and r.json()["message"] == "restarted default: ready", r.text
+    assert entry(d)["state"] == "ready"  # answered once serving again
     for s in streams:
         s.join(300)
     assert [s.error for s in streams] == [None] * 4

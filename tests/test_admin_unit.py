@@ -185,7 +185,9 @@ class FakeManager:
             elif isinstance(msg, P.HttpRefused):
                 continue
             else:
-                reply = P.Ack(ok=not isinstance(msg, P.LoadConfigured), message=f"did {type(msg).__name__}")
+                # A verb whose caller would not wait (wait_s = 0) is still under way when answered.
+                reply = P.Ack(ok=not isinstance(msg, P.LoadConfigured), message=f"did {type(msg).__name__}",
+                              done=getattr(msg, "wait_s", None) != 0)
             await self.sock.send_multipart([ident, P.encoder.encode(reply)])
 
 
@@ -271,6 +273,7 @@ def test_the_list_joins_the_managers_status_with_the_engines_count():
 
 def test_a_command_carries_who_asked_and_the_answer_says_what_was_done():
     async def body(h, manager):
+        await h.ready()  # a done restart's answer waits for this gateway to see the model serve
         status, answer = await call(h, "POST", "/servectl/v1/models/m/restart", key="sk-admin")
         assert status == 200 and answer == {"model": "m", "action": "restart", "done": True,
                                             "message": "did RestartRequest"}
@@ -288,6 +291,46 @@ def test_a_command_carries_who_asked_and_the_answer_says_what_was_done():
         assert status == 200 and answer["action"] == "thaw"
         freeze = next(m for m in manager.got if isinstance(m, P.SetFreezing))
         assert freeze.enabled is False and freeze.http.route == "POST /servectl/v1/models/m/freeze"
+
+    scenario_with_manager(body, admin_keys=["sk-admin"])
+
+
+def test_a_verb_waits_as_asked_and_says_whether_it_is_done():
+    async def body(h, manager):
+        await h.ready()
+        status, answer = await call(h, "POST", "/servectl/v1/models/m/unload?wait=0", key="sk-admin")
+        assert status == 202 and answer == {"model": "m", "action": "unload", "done": False,
+                                            "message": "did UnloadModel"}
+        status, answer = await call(h, "POST", "/servectl/v1/models/m/restart?wait=12.5", key="sk-admin")
+        assert status == 200 and answer["done"] is True
+        waits = [m.wait_s for m in manager.got if isinstance(m, (P.UnloadModel, P.RestartRequest))]
+        assert waits == [0.0, 12.5]
+        for bad in ("abc", "-1", "nan", "1e9", ""):
+            status, answer = await call(h, "POST", f"/servectl/v1/models/m/unload?wait={bad}", key="sk-admin")
+            assert status == 400 and answer["error"]["param"] == "wait", (bad, answer)
+        assert len([m for m in manager.got if isinstance(m, P.UnloadModel)]) == 1  # the bad ones sent nothing
+
+    scenario_with_manager(body, admin_keys=["sk-admin"])
+
+
+def test_a_done_unload_is_answered_once_this_gateway_has_dropped_the_model():
+    """The manager's answer can come before its `removed` event: the route waits for the event,
+    so a request sent on the answer finds the model gone."""
+    import asyncio
+
+    async def body(h, manager):
+        await h.ready()
+        answer = asyncio.get_running_loop().create_task(call(h, "POST", "/servectl/v1/models/m/unload",
+                                                             key="sk-admin"))
+        for _ in range(500):
+            if any(isinstance(m, P.UnloadModel) for m in manager.got):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert not answer.done()  # the manager said done; this gateway still routes to the model
+        h.model_state("removed", "inc1")
+        status, reply = await asyncio.wait_for(answer, 5)
+        assert status == 200 and reply["done"] is True and "m" not in h.gw.served
 
     scenario_with_manager(body, admin_keys=["sk-admin"])
 

@@ -6,7 +6,7 @@ a malformed or unknown frame is dropped (and logged), never a crash.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -149,9 +149,19 @@ class HttpCaller(msgspec.Struct, kw_only=True, frozen=True):
     route: str = ""  # the HTTP method and path
 
 
+# The operator's model verbs (load, unload, restart) are answered when their change is done
+# (manager/verbs.py). ``wait_s`` bounds the caller's wait: None waits until the change is done or
+# fails (each change has its own bound: drain and stop, or the model's hold timeout); 0 answers once
+# it is under way. Past it the answer is an ``Ack(done=False)`` and the change goes on; the same verb
+# sent again waits for the one under way. Callers wait at most this long for any answer.
+MAX_VERB_WAIT_S = 3600.0
+WaitS = Annotated[float, msgspec.Meta(ge=0, le=MAX_VERB_WAIT_S)]
+
+
 class RestartRequest(_Msg, tag="restart"):
     model: str | None = None
     http: HttpCaller | None = None
+    wait_s: WaitS | None = None
 
 
 class SetFreezing(_Msg, tag="set_freezing"):
@@ -168,6 +178,7 @@ class ReloadRequest(_Msg, tag="reload"):
 
 class LoadModel(_Msg, tag="load"):
     model: ModelConfig
+    wait_s: WaitS | None = None
 
 
 class LoadConfigured(_Msg, tag="load_configured"):
@@ -175,11 +186,13 @@ class LoadConfigured(_Msg, tag="load_configured"):
 
     name: str
     http: HttpCaller | None = None
+    wait_s: WaitS | None = None
 
 
 class UnloadModel(_Msg, tag="unload"):
     name: str
     http: HttpCaller | None = None
+    wait_s: WaitS | None = None
 
 
 # How long the manager waits for an engine to load or unload an adapter (it reads the files
@@ -342,6 +355,8 @@ class StatusReply(_Msg, tag="status_reply"):
 class Ack(_Msg, tag="ack"):
     ok: bool
     message: str = ""
+    # False: accepted and still under way when the caller's wait_s ran out (a model verb only).
+    done: bool = True
 
 
 class ApiKeys(_Msg, tag="api_keys"):
