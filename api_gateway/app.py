@@ -53,8 +53,9 @@ from servectl.wire.vocab import DEGRADED, ExitCode, ModelState
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
 
-# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer and pooling endpoints).
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", *POOLING_PATHS})
+# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer and pooling endpoints; where
+# the KV-cache events are, which say what the engines cache).
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/kv_event_sources", *POOLING_PATHS})
 
 
 def error_response(exc: HttpError, path: str = "") -> web.Response:

@@ -79,7 +79,7 @@ def spec() -> dict:
             "/kv_event_sources": {"get": {
                 "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "replica → vLLM's KVEventsConfig (one model), or by model"},
-                              "404": error}}},
+                              "401": error, "404": error}}},
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}},
             "/version": {"get": {"responses": {"200": {"description": "servectl version"}}}},
             **admin_paths(error),

@@ -15,14 +15,21 @@ batches buffered since and an end marker), but:
 - replay requests are answered by a thread blocked in ``poll()`` without a
   timeout, woken only by a request or by shutdown (an inproc doorbell).
 - it always binds its endpoint (the manager gave each engine its own:
-  servectl/kv_events.py), and reports the bound one (port 0 resolved) with
-  ``publisher = "zmq"``, as ``vllm serve``'s /kv_event_sources shows it.
+  servectl/kv_events.py; an ``ipc://`` socket file is made 0600), and reports
+  the bound one (port 0 resolved) with ``publisher = "zmq"``, as ``vllm
+  serve``'s /kv_event_sources shows it.
+- unless the model has ``kv_events_token_ids = true``, each ``BlockStored`` goes
+  out without what would give its prompt away: ``token_ids`` empty, no
+  ``extra_keys`` (LoRA name, media ids, ``cache_salt``), no ``session_id``. The
+  block hashes, parent hash, block size, medium and LoRA name stay: still
+  vLLM's schema, every field a consumer decodes present.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 from dataclasses import asdict
@@ -42,8 +49,21 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
     if endpoint.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
-    sock.bind(endpoint)
+    old = os.umask(0o177)  # an ipc:// socket file 0600: the service user's alone, as the engine's own
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def without_prompt(events: list) -> list:
+    """The events with each ``BlockStored``'s token ids, extra keys and session id taken out
+    (copies: vLLM's own objects are left as they are)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    return [msgspec.structs.replace(e, token_ids=[], extra_keys=None, session_id=None)
+            if isinstance(e, BlockStored) else e for e in events]
 
 
 class SleepingZmqPublisher:
@@ -51,10 +71,11 @@ class SleepingZmqPublisher:
 
     def __init__(self, data_parallel_rank: int = 0, endpoint: str = "", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000, topic: str = "",
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, token_ids: bool = False) -> None:
         from vllm.config.kv_events import KVEventsConfig
 
         self.rank = data_parallel_rank if rank is None else rank
+        self.token_ids = token_ids  # the model's kv_events_token_ids: BlockStored whole
         self.ctx = zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(hwm)
@@ -89,6 +110,8 @@ class SleepingZmqPublisher:
     def publish(self, events) -> None:
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self.rank
+        if not self.token_ids:
+            events = msgspec.structs.replace(events, events=without_prompt(events.events))
         seq = next(self.seqs)
         payload = self.encoder.encode(events)
         if self.buffer is not None:  # kept first: a replay asked for meanwhile includes it
@@ -133,11 +156,12 @@ class SleepingZmqPublisher:
 
 
 _publishers: list[SleepingZmqPublisher] = []  # the one this engine's scheduler made
-_rank = [0]  # the rank its batches carry: the group's slot (vllm_config)
+# What vllm_config decided for it: the rank its batches carry (the group's slot), token ids or not.
+_settings: dict[str, Any] = {"rank": 0, "token_ids": False}
 
 
 def _made(**kwargs) -> SleepingZmqPublisher:
-    publisher = SleepingZmqPublisher(**kwargs, rank=_rank[0])
+    publisher = SleepingZmqPublisher(**kwargs, **_settings)
     _publishers[:] = [publisher]
     return publisher
 
@@ -148,22 +172,24 @@ def published() -> tuple[dict[str, Any] | None, int]:
     return (asdict(_publishers[0].config), _publishers[0].rank) if _publishers else (None, 0)
 
 
-def vllm_config(engine_args: dict[str, Any], host: str, slot: int) -> dict[str, Any]:
+def vllm_config(engine_args: dict[str, Any], runtime_dir: str, model: str, slot: int,
+                token_ids: bool = False) -> dict[str, Any]:
     """The engine arguments with ``kv_events_config`` made vLLM's ``KVEventsConfig`` on this
-    group's endpoints (``host``: the default's; ``slot``: the manager's) and servectl's
-    publisher (registered here), where events are on."""
+    group's endpoints (the default's in ``runtime_dir``, named by ``model`` and ``slot``, the
+    manager's) and servectl's publisher (registered here), where events are on. ``token_ids``:
+    the model's ``kv_events_token_ids``."""
     cfg = kv_events.events_config(engine_args)
     if cfg is None:
         return engine_args
     from vllm.config.kv_events import KVEventsConfig
     from vllm.distributed.kv_events import EventPublisherFactory
 
-    _rank[:] = [max(slot, 0)]
+    _settings.update(rank=max(slot, 0), token_ids=token_ids)
     try:
         EventPublisherFactory.register_publisher(PUBLISHER, _made)
     except KeyError:
         pass  # registered by an earlier build in this process
-    fields = {key: value for key, value in kv_events.for_slot(cfg, slot, host).items()
+    fields = {key: value for key, value in kv_events.for_slot(cfg, slot, runtime_dir, model).items()
               if key in {f for f in asdict(KVEventsConfig())}}
     config = KVEventsConfig(**{**fields, "publisher": "zmq"})
     config.publisher = PUBLISHER  # KVEventsConfig's Literal knows only vLLM's names; the factory knows ours

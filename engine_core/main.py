@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 model=spec.model.model,
                 tensor_parallel_size=tp,
                 distributed_executor_backend=executor_for(group),
-                **{**vllm_config(engine_args(spec.model), spec.events_host, spec.events_slot), **idle.engine_args,
+                **{**vllm_config(engine_args(spec.model), spec.runtime_dir, spec.model.name, spec.events_slot,
+                                 spec.model.kv_events_token_ids), **idle.engine_args,
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))

@@ -269,8 +269,8 @@ class EngineGroup:
             idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
             step_deadline_floor_s=m.step_deadline_floor_s,
             max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras), group=self.name,
-            replica=int(self.name.partition(REPLICA_MARK)[2] or 0), events_host=self.host.gateway_cfg.host,
-            events_slot=self.events_slot), "servectl-engine-spec")
+            replica=int(self.name.partition(REPLICA_MARK)[2] or 0), events_slot=self.events_slot),
+            "servectl-engine-spec")
         pidfds = [w.pidfd for w in self.workers]
         try:
             self._launch(self.engine, "engine_core",

@@ -201,6 +201,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a table name = path, or a list of "name=path" strings or {name, path, base_model_name}
     # tables. finalize() makes it a list of LoraModule.
     lora_modules: dict[str, str] | list[str | LoraModule] = []
+    # vLLM's KV-cache events (engine_args.kv_events_config; servectl/kv_events.py says who may
+    # read them): `kv_events_token_ids` publishes BlockStored whole — each block's token ids
+    # (the prompt), extra keys (cache_salt, media ids), session ids — only over ipc://;
+    # `kv_events_network` lets a TCP endpoint be off loopback (block hashes only, unauthenticated).
+    kv_events_token_ids: bool = False
+    kv_events_network: bool = False
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -343,6 +349,10 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             kv_events.resolve(m.engine_args)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"config error{where}: models.{m.name}.engine_args.{kv_events.KEY}: {exc}") from None
+        exposed = kv_events.exposure_problem(kv_events.events_config(m.engine_args), m.kv_events_token_ids,
+                                             m.kv_events_network)
+        if exposed:
+            raise ConfigError(f"config error{where}: models.{m.name}.engine_args.{exposed}")
         m.lora_modules = lora_modules(m, where)
         replica_devices(m, where)
         if m.replica_env and len(m.replica_env) != m.replicas:

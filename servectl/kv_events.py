@@ -1,27 +1,39 @@
-"""Where each engine publishes vLLM's KV-cache events (``engine_args.kv_events_config``). Pure.
+"""Where each engine publishes vLLM's KV-cache events (``engine_args.kv_events_config``), and
+who may read them. Pure.
 
-vLLM's default endpoint, ``tcp://*:5557``, binds every interface, and two
-engines on one host would both want it. Here a model's events go by default to
-``[gateway] host`` (the address the operator chose to serve on) and port 5557;
-an endpoint given explicitly is taken as it is. Each engine group of a model
-binds ``port + slot``, its slot being one of ``0 .. replicas`` that no other
-group of the model holds (the manager's ``events_slot``; a restart keeps it), as
-vLLM offsets data-parallel ranks: a model holds ports ``port .. port + replicas``
-(the extra one for a rolling reload's new group beside the old), and config
-checks refuse two models whose ranges meet (or meet the gateway's port). A roll
-that finds every slot held (one that shrinks ``replicas``) binds a port the
-system picks, and ``/kv_event_sources`` says which.
+vLLM's events carry each stored block's token ids: whoever reads them reads the
+prompts. So by default a model's events go to ``ipc://$RT/kv-events-<model>@<slot>``
+in the runtime directory (its mode keeps other users out; the socket is 0600),
+and the engine strips token ids, extra keys (LoRA names, media ids,
+``cache_salt``) and session ids from ``BlockStored`` (engine_core/kv_events.py):
+the block hashes stay, which is what a router matches. An endpoint given
+explicitly is taken as it is, within these rules (``exposure_problem``): TCP on a
+loopback address is allowed (hashes only); TCP off loopback only with the
+model's ``kv_events_network = true`` (ZeroMQ over TCP is unauthenticated here:
+anyone who reaches the port reads it); token ids (``kv_events_token_ids = true``)
+only over ``ipc://``.
+
+Each engine group of a model binds its own endpoint: ``port + slot`` for TCP, the
+path with ``-<slot>`` for an explicit ``ipc://`` one, its slot being one of
+``0 .. replicas`` that no other group of the model holds (the manager's
+``events_slot``; a restart keeps it), as vLLM offsets data-parallel ranks: a model
+holds ports ``port .. port + replicas`` (the extra one for a rolling reload's new
+group beside the old), and config checks refuse two models whose ranges meet (or
+meet the gateway's port). A roll that finds every slot held (one that shrinks
+``replicas``) binds a port the system picks (a path with the engine's pid), and
+``/kv_event_sources`` says which.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from typing import Any
 
 
-DEFAULT_PORT = 5557
 KEY = "kv_events_config"
+SOCKET_PREFIX = "kv-events-"  # the default endpoint's file in the runtime directory (servectl/paths.py cleans it)
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -51,7 +63,7 @@ def resolve(engine_args: dict[str, Any]) -> None:
     """Check a model's KV-events settings and keep them as a dict (a JSON string is taken too, as
     ``vllm serve --kv-events-config``). Raises ValueError for an endpoint that is not
     ``tcp://host:port``, ``ipc://`` or ``inproc://``. The default endpoint is not written here:
-    it depends on ``[gateway] host``, which a command-line override may change (``endpoint``)."""
+    it depends on the runtime directory and the group's slot (``for_slot``)."""
     raw = engine_args.get(KEY)
     if raw is None:
         return
@@ -72,9 +84,42 @@ def resolve(engine_args: dict[str, Any]) -> None:
     engine_args[KEY] = cfg
 
 
-def endpoint(cfg: dict[str, Any], gateway_host: str) -> str:
-    """A model's events endpoint: the one configured, else ``[gateway] host`` and port 5557."""
-    return cfg.get("endpoint") or tcp_endpoint(gateway_host, DEFAULT_PORT)
+def default_endpoint(runtime_dir: str, model: str, slot: int) -> str:
+    """A group's events endpoint when none is configured: a socket in the runtime directory,
+    named by model and slot ("@" is in no model name, so two models' never meet)."""
+    return f"ipc://{os.path.join(runtime_dir, SOCKET_PREFIX + model)}@{slot if slot >= 0 else f'x{os.getpid()}'}"
+
+
+def is_loopback(host: str) -> bool:
+    """A host only this machine reaches: a loopback IP or ``localhost``; ``*``, ``0.0.0.0``, an
+    interface name or any other address is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(cfg: dict[str, Any] | None, token_ids: bool, network: bool) -> str | None:
+    """Why a model's events would reach readers they must not, else None (no events: None).
+    ``token_ids``: the model's ``kv_events_token_ids`` (vLLM's events whole: the prompts);
+    ``network``: its ``kv_events_network`` (a TCP endpoint off loopback, unauthenticated)."""
+    if cfg is None:
+        return None
+    for key in ("endpoint", "replay_endpoint"):
+        hp = split_endpoint(cfg.get(key) or "")
+        if hp is None:
+            continue
+        if token_ids:
+            return (f"{KEY}.{key}: {cfg[key]} is TCP, which has no authentication here, and kv_events_token_ids "
+                    "publishes the prompts' token ids: use ipc:// (the default, in the runtime directory) "
+                    "or turn kv_events_token_ids off")
+        if not is_loopback(hp[0]) and not network:
+            return (f"{KEY}.{key}: {cfg[key]} is reachable from other hosts, unauthenticated: set the model's "
+                    "kv_events_network = true to publish there (block hashes only, no token ids), or use "
+                    "ipc:// (the default) or a loopback address")
+    return None
 
 
 def port_range(engine_args: dict[str, Any], replicas: int) -> dict[str, range]:
@@ -83,7 +128,7 @@ def port_range(engine_args: dict[str, Any], replicas: int) -> dict[str, range]:
     cfg = events_config(engine_args)
     ranges: dict[str, range] = {}
     for key in ("endpoint", "replay_endpoint"):
-        value = (cfg.get(key) or (tcp_endpoint("*", DEFAULT_PORT) if key == "endpoint" else "")) if cfg else ""
+        value = (cfg.get(key) or "") if cfg else ""
         hp = split_endpoint(value)
         if hp is not None and hp[1] != 0:
             ranges[key] = range(hp[1], hp[1] + replicas + 1)
@@ -102,10 +147,12 @@ def offset(value: str | None, n: int) -> str | None:
     return value if port == 0 else tcp_endpoint(host, 0 if n < 0 else port + n)
 
 
-def for_slot(cfg: dict[str, Any], slot: int, gateway_host: str) -> dict[str, Any]:
+def for_slot(cfg: dict[str, Any], slot: int, runtime_dir: str, model: str) -> dict[str, Any]:
     """One engine group's KV-events settings: the model's, its endpoints moved to its slot (the
-    manager gives each group of a model one of ``0 .. replicas`` while it runs)."""
-    return {**cfg, "endpoint": offset(endpoint(cfg, gateway_host), slot),
+    manager gives each group of a model one of ``0 .. replicas`` while it runs); without an
+    endpoint, the socket in the runtime directory."""
+    configured = cfg.get("endpoint")
+    return {**cfg, "endpoint": offset(configured, slot) if configured else default_endpoint(runtime_dir, model, slot),
             "replay_endpoint": offset(cfg.get("replay_endpoint"), slot)}
 
 

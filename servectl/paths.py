@@ -317,7 +317,8 @@ def write_pidfile(fd: int, pid: int, instance: str) -> None:
 
 
 _MODEL = MODEL_NAME
-_STALE_SOCKETS = re.compile(rf"(control|control-ro|events|engine-{_MODEL}|worker-{_MODEL}-(0|[1-9][0-9]*))\Z")
+_STALE_SOCKETS = re.compile(rf"(control|control-ro|events|engine-{_MODEL}|worker-{_MODEL}-(0|[1-9][0-9]*)"
+                            rf"|kv-events-{_MODEL}@x?[0-9]+)\Z")  # kv-events: servectl/kv_events.py's default
 _STALE_FILES = re.compile(rf"dist-{_MODEL}-[0-9a-f]+\Z")
 _METRICS_FILE = re.compile(r"[a-z_]+_[0-9]+\.db\Z")  # prometheus_client's multiprocess files
 

@@ -355,8 +355,10 @@ TOOL_MODELS = {
     "default-hermes": (DEFAULT_MODEL_DIR, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], 512),
 }
 # Both publish vLLM's KV-cache events (tests/test_kv_events.py): `tools` on the default
-# endpoint (the gateway's host, port 5557), `default-hermes` on this port.
+# endpoint (a socket in the runtime directory) with token ids (its opt-in), `default-hermes` on
+# loopback TCP, these ports, without (the default).
 TOOLS_KV_EVENTS_PORT = 5571
+TOOLS_KV_REPLAY_PORT = 5581
 TOOLS_CONFIG = f"""[manager]
 warm_standby = false
 [[models]]
@@ -364,6 +366,7 @@ name = "tools"
 model = "{TOOLS_MODEL_DIR}"
 enable_auto_tool_choice = true
 tool_call_parser = "hermes"
+kv_events_token_ids = true
 [models.engine_args]
 dtype = "float32"
 reasoning_parser = "qwen3"
@@ -375,7 +378,10 @@ enable_auto_tool_choice = true
 tool_call_parser = "hermes"
 [models.engine_args]
 dtype = "float32"
-kv_events_config = {{ enable_kv_cache_events = true, endpoint = "tcp://127.0.0.1:{TOOLS_KV_EVENTS_PORT}" }}
+[models.engine_args.kv_events_config]
+enable_kv_cache_events = true
+endpoint = "tcp://127.0.0.1:{TOOLS_KV_EVENTS_PORT}"
+replay_endpoint = "tcp://127.0.0.1:{TOOLS_KV_REPLAY_PORT}"
 """
 
 

@@ -90,8 +90,11 @@ def test_the_services_reach_the_gateway_and_the_event_publisher(docs, cfg):
     assert service["spec"]["clusterIP"] == "None"  # the router talks to each pod
     targets = {port_of(server, p["targetPort"]) for p in service["spec"]["ports"]}
     events = K.events_config(cfg.models[0].engine_args)
-    assert events is not None and K.for_slot(events, 0, cfg.gateway.host)["endpoint"] == f"tcp://0.0.0.0:{K.DEFAULT_PORT}"
-    assert targets == {cfg.gateway.port, K.DEFAULT_PORT}
+    assert events is not None
+    host, port = K.split_endpoint(K.for_slot(events, 0, "/run/servectl", cfg.models[0].name)["endpoint"])
+    # The pod's network (an opt-in: block hashes only, servectl/kv_events.py), the Service's port.
+    assert host == "0.0.0.0" and cfg.models[0].kv_events_network and not cfg.models[0].kv_events_token_ids
+    assert targets == {cfg.gateway.port, port}
     command = server["command"]
     assert command[:3] == ["servectl", "start", "--foreground"]
     mount = next(v["mountPath"] for v in server["volumeMounts"] if v["name"] == "config")

@@ -183,7 +183,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                 freeze_grace_s=1.0, worker_reply_timeout_s=3.0, idle_release_s=2.5,
                                 idle_release="sleep", sleep_level=2, step_deadline_multiple=10.0,
                                 step_deadline_floor_s=2.0, max_body_bytes=1 << 20, loras=[LORA], group="m@1",
-                                replica=1, events_host="10.0.0.1", events_slot=2)],
+                                replica=1, events_slot=2)],
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
                                     drain_timeout_s=5.0, ui_secret="ab" * 32)],

@@ -71,9 +71,8 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # requests use.
     group: str = ""
     replica: int = 0  # which replica of the model (vLLM's ``engine`` label on its metrics)
-    # Where its KV-cache events go, if the model publishes them (servectl/kv_events.py): the
-    # gateway's host (the default endpoint's) and this group's slot (-1: the system picks the port).
-    events_host: str = "127.0.0.1"
+    # Where its KV-cache events go, if the model publishes them (servectl/kv_events.py): this
+    # group's slot (-1: the system picks the port).
     events_slot: int = 0
 
     @property
