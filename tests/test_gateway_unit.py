@@ -501,6 +501,18 @@ def test_protocol_mismatch_fails_the_link():
     with_engine(scenario)
 
 
+def test_a_models_tasks_come_in_one_order_whatever_order_the_engine_says_them():
+    """vLLM's pooling models give their tasks from a set: /v1/models lists them sorted."""
+    async def scenario(link: EngineLink, engine: FakeEngine):
+        for tasks in (["token_embed", "embed", "classify"], ["classify", "token_embed", "embed"]):
+            link.on_model_state("ready", "inc1", None)
+            link.on_engine_message(EP.HelloReply(version=EP.PROTOCOL_VERSION, incarnation="inc1", model="m",
+                                                 max_model_len=128, tasks=tasks), "inc1")
+            assert link.supported_tasks == ["classify", "embed", "token_embed"]
+
+    with_engine(scenario)
+
+
 def test_remove_wakes_waiters_and_refuses_them():
     async def scenario(link: EngineLink, engine: FakeEngine):
         waiter = asyncio.ensure_future(served(link).wait_ready(10))
