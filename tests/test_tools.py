@@ -28,6 +28,8 @@ WEATHER = {"type": "function", "function": {
 STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True, "parameters": {
     **WEATHER["function"]["parameters"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+PLACE = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # not strict
+    "type": "object", "properties": {"place": {"type": "string"}}, "required": ["place"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_the_grammar_forces_a_call_on_a_model_that_knows_no_tools(api, tool_choi
 
 def forced_call(api, model: str, tool_choice, stream: bool, **kw) -> tuple[list, str | None]:
     """The calls of a forced choice, streamed (its deltas assembled) or whole, and the finish reason."""
-    kw = dict(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False, **kw)
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False) | kw
     if not stream:
         r = chat(api, **kw)
         return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or ()], \
@@ -180,6 +182,10 @@ def test_a_forced_call_of_a_non_strict_tool_keeps_to_its_schema(api, model, tool
     if model == "tools":
         assert [name for name, _ in calls] == ["get_weather"], (calls, finish, content)
         jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+        # A parameter the model was not trained on: free, it writes its habit (`city`).
+        calls, finish, content = forced_call(api, model, tool_choice, stream, max_tokens=60, tools=[PLACE])
+        assert [name for name, _ in calls] == ["get_weather"], (calls, finish, content)
+        jsonschema.validate(json.loads(calls[0][1]), PLACE["function"]["parameters"])
         return
     assert finish == "length", (calls, finish, content)
     # A call cut short: streamed, its arguments so far; whole, vLLM's parser shows the text.
