@@ -139,17 +139,21 @@ class ResponseAccumulator:
         if old is not None:
             self.completion_tokens -= old.tokens
 
-    def _details(self, reasoning_tokens: int):
-        """vLLM's ``completion_tokens_details`` (a model with a reasoning parser), else unset."""
+    def _details(self, reasoning_tokens: int, null: bool = False):
+        """vLLM's ``completion_tokens_details`` (a model with a reasoning parser), else unset, or
+        null where vLLM sets it anyway (a chat stream's running usage)."""
         if any(info.reasoning_usage for info in self.infos.values()):
             return H.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
-        return msgspec.UNSET
+        return None if null else msgspec.UNSET
 
-    def usage(self) -> H.Usage:
+    def usage(self, whole: bool = False) -> H.Usage:
+        """The answer's usage; a whole body's writes the details vLLM's model_dump does, null or not."""
         prompt = sum(self.prompt_tokens)
+        details = self._details(sum(c.reasoning_tokens for c in self.choices.values()))
         return H.Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                        total_tokens=prompt + self.completion_tokens,
-                       completion_tokens_details=self._details(sum(c.reasoning_tokens for c in self.choices.values())))
+                       prompt_tokens_details=None if whole else msgspec.UNSET,
+                       completion_tokens_details=None if whole and details is msgspec.UNSET else details)
 
     def _choice_usage(self, pi: int, index: int) -> H.Usage | None:
         if not self.continuous_usage:
@@ -157,7 +161,8 @@ class ResponseAccumulator:
         choice = self.choices.get(index)
         prompt, done = self.prompt_tokens[pi], choice.tokens if choice else 0
         return H.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
-                       completion_tokens_details=self._details(choice.reasoning_tokens if choice else 0))
+                       completion_tokens_details=self._details(choice.reasoning_tokens if choice else 0,
+                                                               null=self.chat))
 
     # ---- a stream ------------------------------------------------------------------------------
     def chunks(self, part: ChoiceDelta, created: int) -> list[H.ChatCompletionChunk | H.CompletionResponse]:
@@ -200,7 +205,7 @@ class ResponseAccumulator:
     def _chat_openers(self, info: PromptInfo, created: int) -> list[H.ChatCompletionChunk]:
         """vLLM's first chunks of a chat stream: the role of every choice, then every choice's echo."""
         usage = H.Usage(prompt_tokens=info.tokens, completion_tokens=0, total_tokens=info.tokens,
-                        completion_tokens_details=self._details(0)) if self.continuous_usage else None
+                        completion_tokens_details=self._details(0, null=True)) if self.continuous_usage else None
         out = [H.ChatCompletionChunk(
             id=self.id, object="chat.completion.chunk", created=created, model=self.model, usage=usage,
             prompt_token_ids=info.token_ids if self.return_token_ids else None, prompt_text=info.prompt_text,
@@ -243,7 +248,7 @@ class ResponseAccumulator:
             info = self.infos.get(0) or PromptInfo(tokens=0)
             hidden = info.metadata_hidden
             return H.ChatCompletionResponse(
-                id=self.id, object="chat.completion", created=created, model=self.model, usage=self.usage(),
+                id=self.id, object="chat.completion", created=created, model=self.model, usage=self.usage(whole=True),
                 prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None,
                 prompt_text=info.prompt_text, choices=[H.ChatChoice(
                     index=i, message=self._message(info, c),
@@ -257,6 +262,9 @@ class ResponseAccumulator:
             choices.append(H.CompletionChoice(
                 index=i, text="".join(c.texts), logprobs=completion_logprobs(c.entries)[0] if self.logprobs else None,
                 finish_reason=c.finish, stop_reason=c.stop_reason, token_ids=c.token_ids if ids else None,
-                prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None))
+                prompt_logprobs=info.prompt_logprobs, prompt_token_ids=info.token_ids if ids else None,
+                routed_experts=None))
         return H.CompletionResponse(id=self.id, object="text_completion", created=created, model=self.model,
-                                    choices=choices, usage=self.usage())
+                                    choices=choices, usage=self.usage(whole=True), service_tier=None,
+                                    system_fingerprint=None, kv_transfer_params=None, ec_transfer_params=None,
+                                    metrics=None)

@@ -338,7 +338,8 @@ class EngineLink:
             return  # hello of a different lifetime of the engine
         self.incarnation = msg.incarnation
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
-        self.supported_tasks = list(msg.tasks)
+        # Sorted: vLLM builds a pooling model's tasks from a set, whose order changes from start to start.
+        self.supported_tasks = sorted(msg.tasks)
         self.kv_events, self.kv_events_rank = msg.kv_events, msg.kv_events_rank
         if self._swap(HELLO_PENDING, S.READY):
             log.info("engine %s ready (incarnation %s)", self.model, incarnation)

@@ -198,8 +198,10 @@ class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # A model with a reasoning parser (vLLM's usage for it).
-    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
+    # A whole body writes both (null unless known), as vLLM's model_dump; a stream's usage only
+    # what vLLM sets: completion_tokens_details for a model with a reasoning parser.
+    prompt_tokens_details: None | msgspec.UnsetType = msgspec.UNSET
+    completion_tokens_details: CompletionTokensDetails | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(Struct, kw_only=True):
@@ -209,15 +211,19 @@ class CompletionLogprobs(Struct, kw_only=True):
     top_logprobs: list[dict[str, float] | None]
 
 
-class CompletionChoice(Struct, kw_only=True, omit_defaults=True):
+class CompletionChoice(Struct, kw_only=True):
+    """A choice as vLLM writes it: its ids null or not (a stream chunk's too: vLLM sets them)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
-    prompt_logprobs: list[Any] | None = None
     prompt_token_ids: list[int] | None = None
+    # A whole body's (written, null or not, as vLLM's model_dump); a stream chunk leaves them out.
+    prompt_logprobs: list[Any] | None | msgspec.UnsetType = msgspec.UNSET
+    routed_experts: None | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(Struct, kw_only=True, omit_defaults=True):
@@ -226,7 +232,14 @@ class CompletionResponse(Struct, kw_only=True, omit_defaults=True):
     created: int
     model: str
     choices: list[CompletionChoice]
+    # A whole body writes these as null (vLLM's model_dump; servectl computes no fingerprint,
+    # as `vllm serve --fingerprint-mode none`); a stream chunk leaves them out.
+    service_tier: None | msgspec.UnsetType = msgspec.UNSET
+    system_fingerprint: None | msgspec.UnsetType = msgspec.UNSET
     usage: Usage | None = None
+    kv_transfer_params: None | msgspec.UnsetType = msgspec.UNSET
+    ec_transfer_params: None | msgspec.UnsetType = msgspec.UNSET
+    metrics: None | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(Struct, kw_only=True):
@@ -258,32 +271,48 @@ class ToolCall(Struct, kw_only=True):
 
 
 class ResponseMessage(Struct, kw_only=True):
+    """vLLM's ChatMessage as its model_dump writes it: every field, tool_calls only when there are some."""
+
     role: str = "assistant"
     content: str | None = None
-    # A parsed chat (a reasoning or tool-call parser): vLLM's fields, written only for it.
-    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None = None
 
 
-class ChatChoice(Struct, kw_only=True, omit_defaults=True):
+class ChatChoice(Struct, kw_only=True):
+    """A whole answer's choice: every field vLLM's model_dump writes, nulls included."""
+
     index: int
     message: ResponseMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
+    routed_experts: None = None
 
 
-class ChatCompletionResponse(Struct, kw_only=True, omit_defaults=True):
+class ChatCompletionResponse(Struct, kw_only=True):
+    """A whole chat answer: every field vLLM's model_dump writes, nulls included (servectl
+    computes no fingerprint, as `vllm serve --fingerprint-mode none`)."""
+
     id: str
-    object: str  # always written: omit_defaults would drop a default
+    object: str
     created: int
     model: str
     choices: list[ChatChoice]
+    service_tier: None = None
+    system_fingerprint: None = None
     usage: Usage | None = None
     prompt_logprobs: list[Any] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
 
 
 class DeltaFunctionCall(Struct, kw_only=True, omit_defaults=True):
@@ -311,7 +340,7 @@ class ChatChunkChoice(Struct, kw_only=True, omit_defaults=True):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None | msgspec.UnsetType = msgspec.UNSET  # written on a choice's last chunk
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None | msgspec.UnsetType = msgspec.UNSET  # an output chunk's, null or not (vLLM's)
 
 
 class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
@@ -321,8 +350,9 @@ class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_text: str | None = None
+    # The role chunk's, null or not (vLLM sets them on it), no other's.
+    prompt_token_ids: list[int] | None | msgspec.UnsetType = msgspec.UNSET
+    prompt_text: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class PassthroughRequest(Struct, kw_only=True):

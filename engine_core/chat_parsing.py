@@ -93,8 +93,36 @@ class ChatFrontend:
             reasoning_parser=self.reasoning_parser,
             default_chat_template_kwargs=self.default_chat_template_kwargs)
         self.parser_cls = self.online.parser
+        self.forced = self._forced_renderer(self.online)
         self.model_config = model_config
         self.tokenizer = renderer.tokenizer
+
+    @staticmethod
+    def _forced_renderer(online):
+        """The renderer for a ``required`` or named ``tool_choice``: vLLM's own, its parser at strict
+        level ``parameter`` (``--tool-strict-level``: every tool's arguments held to its schema in
+        the structural tag, as for a ``strict: true`` tool). vLLM's parsers with a structural tag
+        (hermes among them) leave a non-strict tool's arguments free under a forced choice: that
+        parser never takes the JSON-schema path (``supports_required_and_named`` is False) and
+        ``resolve_tool_strictness`` pins only ``strict`` tools below level ``parameter``. A forced
+        call is held to its schema here, beyond ``vllm serve`` (docs/tools.md); ``auto`` and
+        ``none`` keep the configured level."""
+        import copy
+
+        from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+        parser = online.parser
+        if parser is None or parser.tool_parser_cls is None or parser.tool_strict_level >= ToolStrictLevel.PARAMETER:
+            return online
+        forced = copy.copy(online)
+        forced.parser = type(f"Forced{parser.__name__}", (parser,), {"tool_strict_level": ToolStrictLevel.PARAMETER})
+        return forced
+
+    def renderer_for(self, request):
+        """``forced`` for a ``required`` or named ``tool_choice`` with tools, else vLLM's as configured."""
+        choice = request.tool_choice
+        forced = choice == "required" or (choice is not None and not isinstance(choice, str))
+        return self.forced if forced and request.tools else self.online
 
     def render(self, request):
         """``OnlineRenderer.render_chat``: (conversation, engine input); its error response raised."""
@@ -102,7 +130,7 @@ class ChatFrontend:
 
         from engine_core.requests import BadRequest
 
-        result = run_to_end(self.online.render_chat(request))
+        result = run_to_end(self.renderer_for(request).render_chat(request))
         if isinstance(result, ErrorResponse):
             err = result.error
             raise BadRequest(err.message, err.param, err.code if 400 <= err.code < 500 else 400)

@@ -42,7 +42,7 @@ from servectl import config as C
 from servectl.memory import device_totals, has_accelerator
 from servectl.messages import bind_failure
 from servectl.model_check import check_model_paths, model_estimate
-from servectl.paths import RuntimePaths, is_shared, secure_dir, write_pidfile
+from servectl.paths import RuntimePaths, UntrustedDirectory, is_shared, remove_stale, secure_dir, write_pidfile
 from servectl.tasks import Tasks
 from servectl.proc import (PARENT_ENV, all_pids, is_zombie, kill_instance, port_holder, ppid_of, process_env,
                            rss_bytes)
@@ -575,6 +575,10 @@ class Manager:
         await self.done.wait()
         for task in control_tasks:
             task.cancel()
+        try:  # the children are gone: their sockets and files too, before the lock is let go
+            remove_stale(self.paths)  # so the next start finds nothing a dead manager left
+        except (OSError, UntrustedDirectory) as exc:
+            log.warning("could not remove the children's files: %s", exc)
         for path in (self.paths.control, self.paths.control_ro, self.paths.events, self.paths.pidfile):
             path.unlink(missing_ok=True)
         self.ctx.destroy(linger=0)

@@ -303,3 +303,24 @@ def test_metrics_parse_and_move(daemon, api):
     assert total(after, "servectl_time_to_first_token_seconds_count") > \
         total(before, "servectl_time_to_first_token_seconds_count")
     assert any(n == "servectl_child_state" for n, _ in after)
+
+
+def test_whole_bodies_carry_vllms_fields_nulls_included(daemon):
+    """Issue 51: strictly typed clients read every field `vllm serve` writes (its model_dump),
+    `system_fingerprint` among them; streams the keys vLLM sets (tests/test_response_keys.py)."""
+    from conftest import json_lines
+
+    chat = http(daemon, "POST", "/v1/chat/completions", {"model": "default", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert {"system_fingerprint", "service_tier", "prompt_logprobs", "prompt_token_ids", "kv_transfer_params",
+            "metrics"} <= set(chat), chat
+    assert {"refusal", "annotations", "audio", "function_call", "reasoning"} <= set(chat["choices"][0]["message"])
+    assert {"token_ids", "routed_experts"} <= set(chat["choices"][0])
+    assert {"prompt_tokens_details", "completion_tokens_details"} <= set(chat["usage"])
+    done = http(daemon, "POST", "/v1/completions", {"model": "default", "prompt": "def ", "max_tokens": 2}).json()
+    assert {"system_fingerprint", "service_tier", "kv_transfer_params"} <= set(done), done
+    assert {"token_ids", "prompt_token_ids", "prompt_logprobs"} <= set(done["choices"][0])
+    r = http(daemon, "POST", "/v1/chat/completions", {"model": "default", "max_tokens": 2, "stream": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    role, *rest = json_lines(r.text)
+    assert {"prompt_token_ids", "prompt_text"} <= set(role) and "token_ids" in rest[0]["choices"][0], r.text

@@ -29,8 +29,8 @@ def builder(model_dir: Path = DEFAULT_MODEL_DIR, **model_keys):
     from engine_core.main import engine_args
     from engine_core.requests import request_builder
 
-    model = ModelConfig(name="m", model=str(model_dir), engine_args={**DEFAULT_ENGINE_ARGS, "dtype": "float32"},
-                        **model_keys)
+    model_keys.setdefault("engine_args", {**DEFAULT_ENGINE_ARGS, "dtype": "float32"})
+    model = ModelConfig(name="m", model=str(model_dir), **model_keys)
     config = EngineArgs(model=model.model, **engine_args(model)).create_engine_config()
     return request_builder(config, renderer_from_config(config), model)
 
@@ -220,3 +220,33 @@ def test_tokenizer_endpoints_answer_in_vllms_shapes(plain):
     assert chat["tokens"] == plain.build("chat", {"messages": CHAT}).engine_input["prompt_token_ids"]
     assert t.answer("detokenize", {"tokens": tok["tokens"]})["prompt"].endswith("def f")
     assert t.answer("tokenizer_info", {})["tokenizer_class"]
+
+
+# ---- a forced tool call's arguments (issue 51) -------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def hermes():
+    from conftest import TOOLS_MODEL_DIR
+
+    return builder(TOOLS_MODEL_DIR, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                   engine_args={**DEFAULT_ENGINE_ARGS, "dtype": "float32", "reasoning_parser": "qwen3"})
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_of_a_non_strict_tool_is_held_to_its_schema(hermes, choice):
+    """vLLM's structural tag for hermes leaves a non-strict tool's arguments free (`"json_schema":
+    true`) under `required` / a named choice; servectl's holds them to the tool's parameters."""
+    params = hermes.build("chat", {"messages": CHAT, "tools": [WEATHER], "tool_choice": choice}).params
+    tag = json.loads(params.structured_outputs.structural_tag)
+    tags = [t for t in tag["format"]["tags"] if t["begin"].startswith('<tool_call>\n{"name": "get_weather"')]
+    assert tags and all(t["content"]["json_schema"] == WEATHER["function"]["parameters"] for t in tags), tag
+
+
+def test_auto_keeps_vllms_constraint(hermes):
+    """`auto` with a non-strict tool: no grammar, as under `vllm serve`."""
+    params = hermes.build("chat", {"messages": CHAT, "tools": [WEATHER], "tool_choice": "auto"}).params
+    assert params.structured_outputs is None

@@ -161,11 +161,13 @@ def test_accumulator_whole_response_maps_prompt_and_choice_to_index():
     body = acc.response(created=5)
     assert [(c.index, c.text, c.finish_reason, c.stop_reason) for c in body.choices] == [
         (0, "ab", "stop", "END"), (1, "xy", "stop", 9), (2, "p", "length", None), (3, "qr", "stop", None)]
-    assert body.usage == H.Usage(prompt_tokens=5, completion_tokens=8, total_tokens=13)
+    assert body.usage == H.Usage(prompt_tokens=5, completion_tokens=8, total_tokens=13,
+                                 prompt_tokens_details=None, completion_tokens_details=None)  # whole: vLLM writes nulls
     assert (body.id, body.created, body.model) == ("cmpl-1", 5, "m")
-    # OpenAI's fields and vLLM's stop_reason are always written; vLLM's extras only when asked for.
+    # Every field vLLM's model_dump writes, null or not (issue 51; tests/test_response_keys.py).
     assert set(json.loads(H.encoder.encode(body))["choices"][0]) == {
-        "index", "text", "logprobs", "finish_reason", "stop_reason"}
+        "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids",
+        "prompt_logprobs", "routed_experts"}
 
 
 def test_accumulator_stream_and_whole_agree():
@@ -226,7 +228,8 @@ def test_accumulator_without_echo_leaves_the_prompt_out():
     acc = ResponseAccumulator(completion(), False, prompts=1, response_id="cmpl-1")
     run(acc, items)
     assert acc.response(created=1).choices == [H.CompletionChoice(index=0, text=" there", logprobs=None,
-                                                                  finish_reason="stop", stop_reason=None)]
+                                                                  finish_reason="stop", stop_reason=None,
+                                                                  prompt_logprobs=None, routed_experts=None)]
 
 
 def test_accumulator_token_ids_and_prompt_logprobs():
@@ -269,9 +272,34 @@ def test_accumulator_chat_whole_response():
     run(acc, [(0, delta(0, "ok", [5], None, prompt=info, logprobs=lp))])
     assert acc.response(created=2) == H.ChatCompletionResponse(
         id="chatcmpl-1", object="chat.completion", created=2, model="m", prompt_text="<t>", prompt_token_ids=[3],
-        usage=H.Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        usage=H.Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2, prompt_tokens_details=None,
+                      completion_tokens_details=None),
         choices=[H.ChatChoice(index=0, message=H.ResponseMessage(role="user", content="Q: ok"), finish_reason="stop",
                               stop_reason=None, logprobs=chat_logprobs(lp), token_ids=[5])])
+
+
+def test_stream_chunks_carry_the_keys_vllm_sets_nulls_included():
+    """Issue 51: vLLM's stream writes a chunk's explicitly set fields (``exclude_unset``), nulls
+    included: the role chunk's prompt_token_ids and prompt_text, an output chunk's token_ids, a
+    chat's running usage's completion_tokens_details; a completion choice's ids."""
+    def keys(chunk) -> tuple[set, set]:
+        body = json.loads(H.encoder.encode(chunk))
+        return set(body), set(body["choices"][0]) if body["choices"] else set()
+
+    acc = ResponseAccumulator(chat(stream=True, stream_options={"include_usage": True,
+                                                                "continuous_usage_stats": True}),
+                              True, prompts=1, response_id="c", keep=False)
+    role, out = run(acc, [(0, delta(0, "hi", [5], prompt=EP.PromptInfo(tokens=1, role="assistant")))])
+    top = {"id", "object", "created", "model", "choices", "usage"}
+    assert keys(role) == (top | {"prompt_token_ids", "prompt_text"}, {"index", "delta", "logprobs", "finish_reason"})
+    assert keys(out) == (top, {"index", "delta", "logprobs", "finish_reason", "token_ids"})
+    assert json.loads(H.encoder.encode(out))["usage"]["completion_tokens_details"] is None
+    [last] = run(acc, [(0, delta(0, "", [6], "stop"))])
+    assert keys(last)[1] == {"index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"}
+    acc = ResponseAccumulator(completion(stream=True), False, prompts=1, response_id="c", keep=False)
+    [first] = run(acc, [(0, delta(0, "a", [5], prompt=1))])
+    assert keys(first) == ({"id", "object", "created", "model", "choices"}, {
+        "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids"})
 
 
 def test_accumulator_first_token_time_is_the_first_delta_with_tokens():
@@ -497,6 +525,18 @@ def test_protocol_mismatch_fails_the_link():
         with pytest.raises(EngineUnavailable) as info:
             await served(link).wait_ready(10)
         assert info.value.retry_after is None
+
+    with_engine(scenario)
+
+
+def test_a_models_tasks_come_in_one_order_whatever_order_the_engine_says_them():
+    """vLLM's pooling models give their tasks from a set: /v1/models lists them sorted."""
+    async def scenario(link: EngineLink, engine: FakeEngine):
+        for tasks in (["token_embed", "embed", "classify"], ["classify", "token_embed", "embed"]):
+            link.on_model_state("ready", "inc1", None)
+            link.on_engine_message(EP.HelloReply(version=EP.PROTOCOL_VERSION, incarnation="inc1", model="m",
+                                                 max_model_len=128, tasks=tasks), "inc1")
+            assert link.supported_tasks == ["classify", "embed", "token_embed"]
 
     with_engine(scenario)
 

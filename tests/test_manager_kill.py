@@ -25,8 +25,22 @@ def test_manager_sigkill_leaves_nothing_and_start_recovers(daemon_factory):
     first = d.instance
     d.start()
     assert d.instance != first
+    assert "removed what a dead manager left" in d.log("manager")
     r = d.openai().completions.create(model="default", prompt="def ", max_tokens=4, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
     d.stop()
     assert not d.tree()
     assert d.cli("stop").returncode == 0  # stopping a stopped daemon says so, exit 0
+
+
+def test_a_clean_stop_leaves_nothing_the_next_start_calls_a_dead_managers(daemon_factory):
+    """Issue 51: after `servectl stop` the next start in the same directory finds nothing stale."""
+    d = daemon_factory("[manager]\nwarm_standby = false\n")
+    r = d.openai().completions.create(model="default", prompt="def ", max_tokens=2)  # metrics files written
+    assert r.usage.completion_tokens == 2
+    d.stop()
+    left = sorted(str(p.relative_to(d.runtime_dir)) for p in d.runtime_dir.rglob("*")
+                  if not p.is_dir() and "state" not in p.parts)
+    d.start()
+    log = (d.runtime_dir / "state" / "logs" / "manager.log").read_text()
+    assert "removed what a dead manager left" not in log, (left, log[-2000:])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import jsonschema
@@ -27,6 +28,8 @@ WEATHER = {"type": "function", "function": {
 STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True, "parameters": {
     **WEATHER["function"]["parameters"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+PLACE = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # not strict
+    "type": "object", "properties": {"place": {"type": "string"}}, "required": ["place"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +146,68 @@ def test_the_grammar_forces_a_call_on_a_model_that_knows_no_tools(api, tool_choi
     assert calls or text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {'), (text, calls)
     plain = chat(api, model="default-hermes", messages=ASK, tools=[STRICT_WEATHER], max_tokens=40)
     assert not (plain.choices[0].message.content or "").startswith("<tool_call>")
+
+
+def forced_call(api, model: str, tool_choice, stream: bool, **kw) -> tuple[list, str | None]:
+    """The calls of a forced choice, streamed (its deltas assembled) or whole, and the finish reason."""
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False) | kw
+    if not stream:
+        r = chat(api, **kw)
+        return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or ()], \
+            r.choices[0].finish_reason, r.choices[0].message.content
+    parts: dict[int, list] = {}
+    finish, content = None, ""
+    for chunk in chat(api, stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or ():
+                p = parts.setdefault(tc.index, ["", ""])
+                p[0] += (tc.function.name or "") if tc.function else ""
+                p[1] += (tc.function.arguments or "") if tc.function else ""
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+    return [tuple(p) for p in parts.values()], finish, content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("model", ["tools", "default-hermes"])
+def test_a_forced_call_of_a_non_strict_tool_keeps_to_its_schema(api, model, tool_choice, stream):
+    """Issue 51: `required` or a named choice holds a tool's arguments to its parameters, `strict`
+    or not (beyond `vllm serve`, which holds only a `strict` tool's: test_tools_parity.py).
+
+    The default model knows no tools: held to the schema it starts `{"city": "` and writes
+    Python into the string until `max_tokens` (free, it loops in whitespace instead), so its
+    arguments are checked as far as they go."""
+    calls, finish, content = forced_call(api, model, tool_choice, stream, max_tokens=60)
+    if model == "tools":
+        assert [name for name, _ in calls] == ["get_weather"], (calls, finish, content)
+        jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+        # A parameter the model was not trained on: free, it writes its habit (`city`).
+        calls, finish, content = forced_call(api, model, tool_choice, stream, max_tokens=60, tools=[PLACE])
+        assert [name for name, _ in calls] == ["get_weather"], (calls, finish, content)
+        jsonschema.validate(json.loads(calls[0][1]), PLACE["function"]["parameters"])
+        return
+    assert finish == "length", (calls, finish, content)
+    # A call cut short: streamed, its arguments so far; whole, vLLM's parser shows the text.
+    arguments = calls[0][1] if calls else content.split('<tool_call>\n{"name": "get_weather", "arguments": ', 1)[1]
+    assert re.match(r'\{\s*"city"\s*:\s*"', arguments), (calls, content)
+
+
+def test_langchain_structured_output_by_function_calling(tools_daemon):
+    """Issue 51: LangChain's `with_structured_output(method="function_calling")` (a named choice
+    of a non-strict tool) gets a valid object."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+
+        city: str
+
+    llm = ChatOpenAI(model="tools", base_url=f"{tools_daemon.base_url}/v1", api_key="unused", temperature=0,
+                     max_retries=0, max_tokens=60)
+    got = llm.with_structured_output(Weather, method="function_calling").invoke("What is the weather in Paris?")
+    assert isinstance(got, Weather) and got.city, got
 
 
 def test_bad_tool_requests_are_vllms_400s(tools_daemon):

@@ -181,10 +181,33 @@ def same(a, b, where="$") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
+def key_paths(value, where="$") -> set[str]:
+    """Every key path of a JSON value (a list's items under one name)."""
+    if isinstance(value, dict):
+        return {p for k, v in value.items() for p in {f"{where}.{k}"} | key_paths(v, f"{where}.{k}")}
+    if isinstance(value, list):
+        return {p for v in value for p in key_paths(v, f"{where}[]")}
+    return set()
+
+
+def stream_keys(target, path: str, body: dict) -> set[str]:
+    """The key paths of a stream's chunks, together. `system_fingerprint` left out: `vllm serve`
+    stamps its own on the last chunk, servectl computes none (null in a whole body)."""
+    r = http(target, "POST", path, {"model": "default", "temperature": 0, **body})
+    return {p for chunk in json_lines(r.text) for p in key_paths(chunk) if p != "$.system_fingerprint"}
+
+
 @pytest.mark.parametrize("path,body", CASES, ids=[f"{p} {json.dumps(b)[:60]}" for p, b in CASES])
 def test_same_answer(servectl_f32, vllm_serve, path, body):
     ours, theirs = ask(servectl_f32, path, body), ask(vllm_serve.base_url, path, body)
     assert ours[0] == theirs[0] == 200, (ours, theirs)
+    # Issue 51: the same fields, nulls included (strictly typed clients read them).
+    if path.startswith("/v1") and not body.get("stream"):
+        assert key_paths(ours[1]) == key_paths(theirs[1]), (sorted(key_paths(theirs[1]) - key_paths(ours[1])),
+                                                            sorted(key_paths(ours[1]) - key_paths(theirs[1])))
+    elif path.startswith("/v1"):
+        mine, vllms = stream_keys(servectl_f32, path, body), stream_keys(vllm_serve.base_url, path, body)
+        assert mine == vllms, (sorted(vllms - mine), sorted(mine - vllms))
     diffs = same(canonical(ours[1]), canonical(theirs[1]))
     assert not diffs, "\n".join(diffs[:10]) + f"\nservectl: {ours[1]}\nvllm: {theirs[1]}"
 
