@@ -13,7 +13,10 @@ are mirrored (``PoolingBaseServing._prepare_generators`` and
 ``_collect_batch``, pinned in tools/vllm_pins.py): each prompt is added to
 ``LLMEngine`` as its own request with vLLM's id, and when the last one is out
 the response vLLM builds (its JSON, vectors and scores from vLLM's pooler)
-goes to the gateway whole (``Delta.api_output``).
+goes to the gateway whole (``Delta.api_output``). The engine requests' ids are
+made from the gateway's id for the request, never from the client's
+``request_id`` (vLLM's ``_prepare_generators`` makes them from it), which is
+only echoed as the answer's id.
 
 A pooling request is one step: after a restart the gateway sends it again whole.
 """
@@ -81,15 +84,16 @@ class PoolingApis:
         self.routes = tuple(kind for kind, (attr, *_) in ROUTES.items() if getattr(self, attr) is not None)
 
     def start(self, kind: str, body: dict[str, Any], request_id: str, answer_id: str) -> "PooledBuilt":
-        """The request's engine requests (vLLM's ids, made from ``answer_id`` unless the body names
-        one; prompts; pooling parameters), ready to add; vLLM's refusal as ``BadRequest``."""
+        """The request's engine requests (ids made from ``request_id``, the gateway's; prompts;
+        pooling parameters), ready to add; vLLM's refusal as ``BadRequest``. The answer's id is
+        vLLM's, from the body's ``request_id`` or else ``answer_id``: echoed, never an engine id."""
         attr, module, name = ROUTES[kind]
         serving = getattr(self, attr)
         if serving is None:
             raise BadRequest(f"The model does not support {NOT_SUPPORTED[attr]} (it answers "
                              f"{', '.join(PATHS[k] for k in self.routes)})", status=400)
         try:
-            return PooledBuilt(PoolingCall(serving, _request_type(module, name), body, answer_id), request_id)
+            return PooledBuilt(PoolingCall(serving, _request_type(module, name), body, answer_id, request_id))
         except BadRequest:
             raise
         except Exception as exc:
@@ -107,7 +111,7 @@ def _request_type(module: str, name: str):
 class PoolingCall:
     """One pooling request in the engine: vLLM's context for it, its engine requests, their outputs."""
 
-    def __init__(self, serving, request_type, body: dict[str, Any], request_id: str):
+    def __init__(self, serving, request_type, body: dict[str, Any], answer_id: str, request_id: str):
         from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
         from vllm.entrypoints.pooling.scoring.serving import ServingScores
 
@@ -115,7 +119,7 @@ class PoolingCall:
 
         if isinstance(serving, ServingScores) and serving.enable_flash_late_interaction:
             raise BadRequest("late-interaction scoring (flash) is not supported by servectl", status=400)
-        body = {**body, "request_id": body.get("request_id") or request_id}
+        body = {**body, "request_id": body.get("request_id") or answer_id}
         request = request_type.validate_python(body)
         io = serving.get_io_processor(request)
         ctx = run_to_end(serving._init_ctx(io, request, None))
@@ -126,15 +130,16 @@ class PoolingCall:
         ctx.engine_inputs = [io.render(r) for r in renders]
         if isinstance(serving, ServingEmbedding):  # its _preprocessing's own step
             serving.io_processor.maybe_pre_process_chunked(ctx)
-        # _prepare_generators: one engine request per prompt, with vLLM's ids
+        # _prepare_generators: one engine request per prompt. vLLM makes their ids from the
+        # client's request_id (ctx.request_id); here they are made from the gateway's id, unique
+        # to this request, so two requests sending one request_id cannot take each other's
+        # outputs (security issue 53, item 4). The client's id is only echoed (the answer's id).
         ctx.pooling_params.verify(serving.model_config)
-        self.requests = []
-        for i, engine_input in enumerate(ctx.engine_inputs):
-            rid = f"{ctx.request_id}-{i}" if ctx.prompt_request_ids is None else ctx.prompt_request_ids[i]
-            self.requests.append((rid, engine_input["prompts"], engine_input["params"], engine_input["priorities"]))
+        self.requests = [(f"{request_id}-{i}", engine_input["prompts"], engine_input["params"],
+                          engine_input["priorities"]) for i, engine_input in enumerate(ctx.engine_inputs)]
         self.serving, self.io, self.ctx = serving, io, ctx
         self.outputs: dict[str, Any] = {}
-        self.request_id = ""  # the engine request it answers (Generate.request_id)
+        self.request_id = request_id  # the engine request it answers (Generate.request_id)
         self.done = False  # its response went out
 
     @property
@@ -169,9 +174,8 @@ class PooledBuilt:
     """A pooling request ready for ``LLMEngine``: its engine requests, one per prompt (requests.py
     ``Built``'s surface)."""
 
-    def __init__(self, call: PoolingCall, request_id: str):
+    def __init__(self, call: PoolingCall):
         self.call = call
-        call.request_id = request_id
         self.spec = OutputSpec(chat=False, pooling=call)
 
     def add_to(self, engine, request_id: str) -> str:
