@@ -98,6 +98,7 @@ class EngineLink:
         self.incarnation = ""  # set once the engine answered our Hello
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
+        self.max_prompt_chars = 0  # the engine's HelloReply: its prompts' character cap (0: not told)
         self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
         self.kv_events: dict | None = None  # where its engine publishes KV-cache events (vLLM's KVEventsConfig)
         self.kv_events_rank = 0  # the rank its event batches carry
@@ -338,6 +339,7 @@ class EngineLink:
             return  # hello of a different lifetime of the engine
         self.incarnation = msg.incarnation
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
+        self.max_prompt_chars = msg.max_prompt_chars
         self.supported_tasks = list(msg.tasks)
         self.kv_events, self.kv_events_rank = msg.kv_events, msg.kv_events_rank
         if self._swap(HELLO_PENDING, S.READY):

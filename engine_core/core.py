@@ -209,7 +209,9 @@ class EngineServer(ManagerMessages):
         self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
                                       model=self.spec.model.name, max_model_len=self.max_model_len,
                                       max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
-                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank))
+                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank,
+                                      max_prompt_chars=self.max_model_len * getattr(self.tokenizer,
+                                                                                    "max_chars_per_token", 0)))
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)
