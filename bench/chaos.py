@@ -309,7 +309,7 @@ class Chaos:
         order = list(kinds)
         self.rng.shuffle(order)
         k = 0
-        while time.monotonic() - start < duration_s:
+        while time.monotonic() - start < duration_s or k < len(order):  # every kind at least once
             time.sleep(self.rng.uniform(*gap))
             kind = order[k % len(order)]  # every kind once before any twice
             k += 1
