@@ -85,7 +85,8 @@ def check_input(kind: str, body: dict[str, Any], max_model_len: int | None, max_
     param = fields[0]
     limit = min(max_items, max_model_len) if max_model_len else max_items
     if items > limit:
-        why = "" if limit == max_items else f" (each renders to a token at least; the model's context is {max_model_len})"
+        why = "" if limit == max_items else \
+            f" (each renders to a token at least; the model's context is {max_model_len})"
         raise HttpError(400, f"`{param}` has {items} items; at most {limit}{why}", param=param,
                         code="too_many_items")
     if max_prompt_chars and chars > max_prompt_chars:

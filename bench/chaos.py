@@ -278,14 +278,16 @@ class Chaos:
             else:
                 path, big = "/v1/responses", {"model": "default", "input": [{"role": "user", "content": "x"}] * 100_000}
                 small = {"model": "default", "input": "def", "max_output_tokens": 2}
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                bigs = list(pool.map(lambda _: status_of(self.port, path, big), range(4 if kind == "big-responses" else 1)))
+            at_once = 4 if kind == "big-responses" else 1
+            with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+                bigs = list(pool.map(lambda _: status_of(self.port, path, big), range(at_once)))
             status, took = status_of(self.port, path, small)
             if any(s == 200 for s, _ in bigs):
                 return "ACCEPTED"
             if status != 200 or took > BESIDE_S:
                 return "STALLED"
-            return f"HTTP {sorted({s for s, _ in bigs})} in {max(t for _, t in bigs):.1f}s; one beside them in {took:.1f}s"
+            return (f"HTTP {sorted({s for s, _ in bigs})} in {max(t for _, t in bigs):.1f}s; "
+                    f"one beside them in {took:.1f}s")
         if kind == "idle-connections":
             conns = []
             try:
