@@ -437,7 +437,7 @@ class EngineServer(ManagerMessages):
             return  # a call that is not a step (loading, the calls of a release to sleep): requests wait
         try:
             self._drain_frontend()
-            if self.pending:
+            if self.pending or self.slices:
                 self.intake_while_waiting += 1
                 self._add_pending_until_reply()
             # A tokenizer question at a time while the reply is not in (each wake of the wait), off

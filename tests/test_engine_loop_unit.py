@@ -562,3 +562,16 @@ def test_a_pooling_request_aborted_or_refused_while_sliced_is_dropped(server, mo
     error = server.sent[-1]
     assert isinstance(error, P.RequestError) and error.request_id == "q" and error.status == 400, error
     assert "q" not in server.requests and not server.slices
+
+
+def test_a_sliced_pooling_request_goes_on_while_a_steps_model_runs(server, monkeypatch):
+    clock = iter(range(10_000))
+    monkeypatch.setattr(core.time, "monotonic", lambda: next(clock) * 0.004)
+    generate(server, "g")
+    server._add_pending()
+    call = SlicedCall("p", 6)
+    pooled(server, "p", call)
+    assert not call.complete and not server.pending
+    server.engine.outputs = [output("g", 5)]
+    server._step()  # the model runs and no reply is in: the slices go on meanwhile
+    assert call.complete and server.intake_while_waiting == 1
