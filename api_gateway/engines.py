@@ -88,6 +88,7 @@ class EngineLink:
         self.ready = asyncio.Event()
         # Set when the socket in use is closed (its engine lifetime is over): a fresh one per socket.
         self.gone = asyncio.Event()
+        self.ended_hung = False  # the last engine lifetime was killed as hung (_disconnect)
         # The engine's step deadline as it last published it (None until it is warm): hangs are
         # then found in that many seconds, not in the configured cold ones.
         self.step_deadline_s: float | None = None
@@ -98,6 +99,7 @@ class EngineLink:
         self.incarnation = ""  # set once the engine answered our Hello
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
+        self.max_prompt_chars = 0  # the engine's HelloReply: its prompts' character cap (0: not told)
         self.supported_tasks: list[str] = []  # what the model does (vLLM's tasks), from the engine's hello
         self.kv_events: dict | None = None  # where its engine publishes KV-cache events (vLLM's KVEventsConfig)
         self.kv_events_rank = 0  # the rank its event batches carry
@@ -158,7 +160,7 @@ class EngineLink:
     # ---- following the manager --------------------------------------------------
     def on_model_state(self, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None, start_s: float | None = None,
-                       config_id: str = "") -> None:
+                       config_id: str = "", hung: bool = False) -> None:
         try:
             state = ModelState(state)
         except ValueError:
@@ -186,7 +188,8 @@ class EngineLink:
             return  # REMOVED: ManagerLink removes the link
         if (new in (S.DOWN, S.FAILED) or state is M.RELEASED) and self.sock is not None:
             why = {M.FAILED: "failed", M.RELEASED: "was released"}.get(state, "exited")
-            self._disconnect(f"the engine for model {self.model!r} {why}" + (f" ({reason})" if reason else ""))
+            self._disconnect(f"the engine for model {self.model!r} {why}" + (f" ({reason})" if reason else ""),
+                             hung)
         # STARTING and DRAINING keep the socket: a draining engine finishes what it has, and
         # a new incarnation's "ready" replaces the socket (failing what is left on it).
         if self._swap(LIVE, new):
@@ -226,14 +229,17 @@ class EngineLink:
         self.reader = self.tasks.keep(lambda: self._handshake_then_read(sock, incarnation),
                                       f"read engine {self.model}", give_up=self.task_died)
 
-    def _disconnect(self, why: str) -> None:
-        """Close the socket and fail every request in flight on it (the state is the caller's)."""
+    def _disconnect(self, why: str, hung: bool = False) -> None:
+        """Close the socket and fail every request in flight on it (the state is the caller's);
+        ``hung``: that engine lifetime was killed as hung (said in each failure, and in
+        ``ended_hung`` for whoever awaited ``gone``)."""
         if self.reader is not None:
             self.reader.cancel()
             self.reader = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            self.ended_hung = hung
             self.gone.set()
         self.incarnation = self.connecting_to = ""
         # Aborts for a closed socket are moot: that engine lifetime is over.
@@ -244,7 +250,7 @@ class EngineLink:
         streams, self.streams = self.streams, {}
         self.outstanding = 0
         for stream in streams.values():
-            stream.sink.put_nowait((stream.request_id, EngineUnavailable(why, retry_after=5)))
+            stream.sink.put_nowait((stream.request_id, EngineUnavailable(why, retry_after=5, hung=hung)))
         replies, self.replies = self.replies, {}
         for fut in replies.values():
             if not fut.done():
@@ -338,6 +344,7 @@ class EngineLink:
             return  # hello of a different lifetime of the engine
         self.incarnation = msg.incarnation
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
+        self.max_prompt_chars = msg.max_prompt_chars
         # Sorted: vLLM builds a pooling model's tasks from a set, whose order changes from start to start.
         self.supported_tasks = sorted(msg.tasks)
         self.kv_events, self.kv_events_rank = msg.kv_events, msg.kv_events_rank

@@ -29,9 +29,10 @@ class HttpError(Exception):
 class EngineUnavailable(Exception):
     """The model's engine cannot take or finish this request now (restarting, failed, unloaded)."""
 
-    def __init__(self, message: str, retry_after: int | None = 5):
+    def __init__(self, message: str, retry_after: int | None = 5, hung: bool = False):
         super().__init__(message)
         self.retry_after = retry_after
+        self.hung = hung  # its engine was killed as hung (the manager's event said so)
 
 
 class EngineStalled(EngineUnavailable):

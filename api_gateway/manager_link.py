@@ -118,7 +118,8 @@ class ManagerLink:
                     if ev.kind is EventKind.MODEL and ev.model:
                         # (a word that is not a model's state is ignored there: EngineLink.on_model_state)
                         self.on_model_event(ev.model, ev.state, ev.incarnation, ev.detail, ev.hold_timeout_s,
-                                            ev.start_s, ev.config_id, ev.loras, ev.detail if ev.unfit else None)
+                                            ev.start_s, ev.config_id, ev.loras, ev.detail if ev.unfit else None,
+                                            ev.hung)
                     elif ev.kind is EventKind.DEADLINE and ev.model:
                         if ev.step_deadline_s is not None:
                             self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
@@ -145,7 +146,7 @@ class ManagerLink:
     def on_model_event(self, model: str, state: ModelState, incarnation: str, reason: str | None,
                        hold_timeout_s: float | None = None, start_s: float | None = None,
                        config_id: str = "", loras: list[MP.LoraModule] | None = None,
-                       unfit: str | None = None) -> None:
+                       unfit: str | None = None, hung: bool = False) -> None:
         """Models come and go at runtime (`servectl load/unload/reload`), and so do their LoRA adapters."""
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
@@ -165,7 +166,7 @@ class ManagerLink:
         if loras is not None:
             link.loras = list(loras)
         link.set_unfit(unfit)
-        link.on_model_state(state, incarnation, reason, hold_timeout_s, start_s, config_id)
+        link.on_model_state(state, incarnation, reason, hold_timeout_s, start_s, config_id, hung)
 
     def on_deadline(self, model: str, seconds: float, incarnation: str = "") -> None:
         """An engine published its step deadline: its link finds hangs by it, /metrics shows it."""

@@ -22,7 +22,6 @@ stream began is the API's ``error`` event.
 
 from __future__ import annotations
 
-import functools
 import json
 import secrets
 import time
@@ -31,6 +30,7 @@ from aiohttp import web
 
 from api_gateway.bodies import read_body
 from api_gateway.errors import EngineUnavailable, HttpError, unavailable
+from api_gateway.input_bounds import check_input, check_sequences, pooling_sequences
 from api_gateway.served import prefix_key
 from api_gateway.sse import SseAnswer, after, client_gone, gone_response
 from servectl.wire import engine as EP
@@ -112,6 +112,8 @@ class ApiEndpoints:
         req, forward = await read_body(request, self.gateway.cfg, "count_tokens")
         for field in ("messages", "system"):
             check_text_only(forward.get(field), field)
+        link = self.gateway.link_for(self.gateway.model_for(req.model))  # its limits, if its engine said them
+        check_input("messages", forward, link.max_model_len, link.max_prompt_chars, self.gateway.cfg.max_input_items)
         return await self.gateway.ask_tokenizer(request, req.model, "count_tokens", forward)
 
     async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -128,12 +130,19 @@ class ApiEndpoints:
         link = g.link_for(model)
         if g.draining:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        g.check_room(link, 1)
+        # A pooling request's inputs are sequences, as a completion's prompts are (input_bounds.py).
+        seqs = pooling_sequences(forward) if request.path in POOLING_PATHS else 1
+        check_sequences(seqs, g.cfg.max_sequences_per_request, forward)
+        g.check_room(link, seqs)
         gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward, answer_id=secrets.token_hex(8))
         run = g.generator.run(link, [gen], 1, prefix_key(forward))
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
-        with g.admitted(link, 1):
-            hold = functools.partial(g.hold, link, 1, model, request.path)
+
+        async def hold() -> None:  # then the input against the model's limits, once they are known
+            await g.hold(link, seqs, model, request.path)
+            check_input(kind, forward, link.max_model_len, link.max_prompt_chars, g.cfg.max_input_items)
+
+        with g.admitted(link, seqs):
             if req.stream and kind in ("responses", "messages"):
                 # Held under keep-alive comments while the model is not ready (sse.py).
                 return await self.stream(request, kind, run, model, hold)

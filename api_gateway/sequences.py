@@ -17,7 +17,9 @@ nothing repeated or missing. The wait covers the model's longest measured
 start (``EngineLink.hold_s``). A model that failed, one a reload changed
 (``config_id``: its tokens would go on another model's answer), a
 choice vLLM cannot continue exactly that the client has seen part of, or more
-than ``MAX_RESTARTS`` restarts in one request end it with today's errors.
+than ``MAX_RESTARTS`` restarts in one request end it with today's errors. So
+does an engine the manager killed as hung, for a request whose output had not
+begun (``_not_again``: it may be what hung it; it is never sent again).
 
 Nothing waits without a deadline: sends are bounded (``EngineLink.submit``),
 the wait for the engine by the hold timeout, output by the engine's step
@@ -58,7 +60,12 @@ def encode_generate(gen: EP.Generate) -> bytes:
 
 
 class EngineGone(Exception):
-    """This engine lifetime ended under the request (the link's socket closed, or it hung)."""
+    """This engine lifetime ended under the request (the link's socket closed, or it hung);
+    ``hung``: the manager killed it as hung."""
+
+    def __init__(self, why: str, hung: bool = False):
+        super().__init__(why)
+        self.hung = hung
 
 
 class RequestRun:
@@ -103,6 +110,8 @@ class RequestRun:
                 return
             except EngineGone as exc:
                 why = str(exc)
+                if exc.hung:
+                    self._not_again(link, why)
             # The hold clock starts now: another replica, or this one's restart, has this long.
             deadline = time.monotonic() + model.hold_s(self.cfg.hold_timeout_s)
             self.restarts += 1
@@ -124,6 +133,18 @@ class RequestRun:
             log.info("model %s restarted (%s): going on with %d engine request(s) (restart %d of this request)",
                      link.model, why, len(sends), self.restarts)
             batch = [(pi, g, encode_generate(g)) for pi, g in sends]
+
+    def _not_again(self, link: EngineLink, why: str) -> None:
+        """Its engine was killed as hung: a request with a prompt whose output had not begun may
+        be what hung it (a poison pill) and is never sent again; one whose every prompt had
+        output the engine got past, and goes on (docs/decisions.md)."""
+        if all(any(c.started for c in choices) for choices in self.choices):
+            return
+        log.warning("model %s was killed as hung with this request's prompt unstarted: not sending it again",
+                    link.model)
+        raise HttpError(503, f"the engine of model {link.model!r} was killed as hung while this request was in it, "
+                             "before its output began; servectl does not send such a request again, as it may be "
+                             f"what hung the engine ({why})", "service_unavailable", code="engine_hung")
 
     async def _wait(self, timeout_s: float, config_id: str) -> None:
         try:
@@ -165,7 +186,7 @@ class RequestRun:
                 if rid not in remaining:
                     continue  # after that request's error
                 if isinstance(item, EngineUnavailable):
-                    raise EngineGone(str(item))
+                    raise EngineGone(str(item), item.hung)
                 if isinstance(item, EngineRequestError):
                     raise refused_by_engine(item)
                 if rid in resumed:
@@ -203,7 +224,7 @@ class RequestRun:
             await asyncio.wait_for(gone.wait(), timeout)
         except asyncio.TimeoutError:
             raise unavailable(EngineUnavailable(f"{why}, and it was not restarted", retry_after=10)) from None
-        raise EngineGone(why)
+        raise EngineGone(why, link.ended_hung)
 
     async def _probe(self, link: EngineLink, sink: asyncio.Queue, remaining: dict[str, int], timeout: float) -> bool:
         """No output for a while: queued behind other requests, hung, or lost? True if hung.

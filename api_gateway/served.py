@@ -117,6 +117,11 @@ class ServedModel:
         return link.max_model_len if link is not None else None
 
     @property
+    def max_prompt_chars(self) -> int:
+        link = self._answered()
+        return link.max_prompt_chars if link is not None else 0
+
+    @property
     def supported_tasks(self) -> list[str]:
         link = self._answered()
         return link.supported_tasks if link is not None else []

@@ -12,7 +12,10 @@ or attack, at random: SIGKILL a worker, the engine, a gateway or a standby;
 SIGSTOP a worker (a hang, found at the step deadline); fill the log disk for
 a while; a 4 MB ``/tokenize``; three 30 MiB frames on the read-only control
 socket; a fake ``GroupHung`` from a process of the owner; 200 idle TCP
-connections held open. Pass: no client error but the unavoidable (a request
+connections held open; 200,000 inputs in one ``/v1/embeddings`` (to
+``default-embed``, the bundled model served as an embedding model too), four
+``/v1/responses`` inputs of 100,000 items at once, each with a small request
+beside it that must be answered within ``BESIDE_S``. Pass: no client error but the unavoidable (a request
 whose connection was on a gateway that was killed: docs/supervision.md),
 every completed answer equal to its reference, nothing running at the end,
 the manager's memory bounded. Results go to ``bench/results/<date>-chaos.{json,md}``.
@@ -21,6 +24,7 @@ the manager's memory bounded. Results go to ``bench/results/<date>-chaos.{json,m
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -53,7 +57,22 @@ REQUESTS = {
                                                      "top_logprobs": 2, "ignore_eos": True}),
 }
 FAULTS = ("kill-worker", "kill-engine", "stop-worker", "kill-gateway", "kill-standby", "fill-disk",
-          "big-tokenize", "oversized-control", "fake-hang", "idle-connections")
+          "big-tokenize", "oversized-control", "fake-hang", "idle-connections", "big-embeddings", "big-responses")
+# What a small request beside an attack may take (the attacks of security issue 53: before, 331 s).
+BESIDE_S = 120.0
+
+
+def status_of(port: int, path: str, body: dict, timeout: float = 300) -> tuple[int, float]:
+    """(HTTP status, seconds) of one request, its answer read whole."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, time.monotonic() - started
+    finally:
+        conn.close()
 
 
 def same(name: str, texts: list[str], reference: list[str]) -> bool:
@@ -250,6 +269,25 @@ class Chaos:
             inc = next(m.incarnation for m in st.models if m.name == "default")
             reply = ControlClient(self.runtime_dir).request(P.GroupHung(model="default", incarnation=inc))
             return "refused" if not reply.ok else "ACCEPTED"
+        if kind in ("big-embeddings", "big-responses"):
+            # Issue 53, items 2 and 5: 200,000 token-id inputs (1.6 MB) to the embedding model, or
+            # four Responses inputs of 100,000 items at once; then a small request beside them.
+            if kind == "big-embeddings":
+                path, big = "/v1/embeddings", {"model": "default-embed", "input": [[5, 6, 7]] * 200_000}
+                small = {"model": "default-embed", "input": "def"}
+            else:
+                path, big = "/v1/responses", {"model": "default", "input": [{"role": "user", "content": "x"}] * 100_000}
+                small = {"model": "default", "input": "def", "max_output_tokens": 2}
+            at_once = 4 if kind == "big-responses" else 1
+            with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+                bigs = list(pool.map(lambda _: status_of(self.port, path, big), range(at_once)))
+            status, took = status_of(self.port, path, small)
+            if any(s == 200 for s, _ in bigs):
+                return "ACCEPTED"
+            if status != 200 or took > BESIDE_S:
+                return "STALLED"
+            return (f"HTTP {sorted({s for s, _ in bigs})} in {max(t for _, t in bigs):.1f}s; "
+                    f"one beside them in {took:.1f}s")
         if kind == "idle-connections":
             conns = []
             try:
@@ -273,7 +311,7 @@ class Chaos:
         order = list(kinds)
         self.rng.shuffle(order)
         k = 0
-        while time.monotonic() - start < duration_s:
+        while time.monotonic() - start < duration_s or k < len(order):  # every kind at least once
             time.sleep(self.rng.uniform(*gap))
             kind = order[k % len(order)]  # every kind once before any twice
             k += 1
@@ -306,7 +344,11 @@ def config_text(state_dir: Path) -> str:
             f'state_dir = "{state_dir}"\n'
             f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
             f'[models.engine_args]\nenforce_eager = true\nkv_cache_memory_bytes = {KV_BYTES}\n'
-            f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n')
+            f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n'
+            # the target of the big-embeddings attack (security issue 53, item 2)
+            f'[[models]]\nname = "default-embed"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
+            f'[models.engine_args]\nrunner = "pooling"\nconvert = "embed"\nenforce_eager = true\n'
+            f'kv_cache_memory_bytes = {KV_BYTES}\nmax_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n')
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ class ManagerMessages:
     def _on_release(self, msg: MP.Release) -> None:
         """The manager releases the idle engine, unless a request came in since GroupIdle."""
         busy = (self.engine.has_unfinished_requests() or bool(self.in_flight) or bool(self.pending)
-                or self.draining)
+                or bool(self.slices) or self.draining)
         released, device_memory = self.idle.release(busy)
         if released:
             log.info("released (%s): new requests are held by the gateways until a wake", self.idle.mode)

@@ -35,6 +35,7 @@ from engine_core.kv_events import published
 from engine_core.outputs import OutputFormatter
 from engine_core.requests import BadRequest, Built, refusal
 from engine_core.resume import add_continued
+from engine_core.slices import Slicing
 from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.workers import WorkerHung, engine_batch_queue
 from servectl.wire import control as MP
@@ -110,6 +111,8 @@ class EngineServer(ManagerMessages):
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
         # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
+        # Pooling requests added by slices, the rest of their inputs to render and add (slices.py).
+        self.slices = Slicing(engine, self._slice_added, self._slice_failed)
         # Tokenizer questions received and not answered yet, in arrival order (_answer_tokenizing).
         self.tokenizing: deque[tuple[bytes, P.Tokenizer]] = deque()
         self.tokenizer_answers = 0  # answered while requests ran: at most one per gap or model run
@@ -155,7 +158,7 @@ class EngineServer(ManagerMessages):
         in_flight = self.in_flight
         while True:
             busy = (self.engine.has_unfinished_requests() or bool(in_flight) or bool(self.pending)
-                    or self.kept is not None or bool(self.tokenizing))
+                    or self.kept is not None or bool(self.tokenizing) or bool(self.slices))
             # event-proof: idle, the timeout is one of two one-shot deadlines armed on the busy→idle
             # transition (freeze, GroupIdle), or none at all once both have fired.
             timeout = 0 if busy else self.clock.timeout_ms()
@@ -167,7 +170,7 @@ class EngineServer(ManagerMessages):
                 self._drain_frontend()
             if self.control in events:
                 self._drain_control()
-            if self.pending:
+            if self.pending or self.slices:
                 self._add_pending()
             if self.tokenizing:
                 self._answer_tokenizing()
@@ -209,7 +212,9 @@ class EngineServer(ManagerMessages):
         self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
                                       model=self.spec.model.name, max_model_len=self.max_model_len,
                                       max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
-                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank))
+                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank,
+                                      max_prompt_chars=self.max_model_len * getattr(self.tokenizer,
+                                                                                    "max_chars_per_token", 0)))
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)
@@ -253,7 +258,7 @@ class EngineServer(ManagerMessages):
 
     def _check_drained(self) -> None:
         if (self.draining and not self.drain_reported and not self.engine.has_unfinished_requests()
-                and not self.pending):
+                and not self.pending and not self.slices):
             self.drain_reported = True
             self.control.send(MP.encoder.encode(MP.GroupDrained(model=self.spec.group_name,
                                                                 incarnation=self.spec.incarnation)))
@@ -282,18 +287,25 @@ class EngineServer(ManagerMessages):
         self.pending[rid] = (peer, msg)
 
     def _add_pending(self) -> None:
-        """Add what arrived, all of it when idle, else for ADD_BUDGET_S (at least one)."""
+        """Add what arrived, all of it when idle, else for ADD_BUDGET_S (at least one); then a
+        slice of the pooling requests being added, for ADD_BUDGET_S even when idle (a request
+        arriving meanwhile is taken in at the next gap)."""
         budget = None if not self.engine.has_unfinished_requests() else time.monotonic() + ADD_BUDGET_S
         while self.pending:
             self._add(*self.pending.pop(next(iter(self.pending))))
             if budget is not None and time.monotonic() >= budget:
                 return
+        if self.slices:
+            deadline = time.monotonic() + ADD_BUDGET_S
+            self.slices.run(lambda: time.monotonic() >= deadline)
 
     def _add_pending_until_reply(self) -> None:
         """Add what arrived while the workers run a step, until a reply is in (then the step's
         turnaround comes first; the rest waits for the next wait or gap)."""
         while self.pending and not self.group.reply_waiting():
             self._add(*self.pending.pop(next(iter(self.pending))))
+        if self.slices and not self.group.reply_waiting():
+            self.slices.run(self.group.reply_waiting)
 
     def _refuse(self, peer: bytes, rid: str, message: str, status: int, param: str | None = None) -> None:
         self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, message=message,
@@ -307,7 +319,9 @@ class EngineServer(ManagerMessages):
             return
         try:
             built = self._build(msg)
-            if msg.resume is None:
+            if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
+                self.slices.start(rid, built.spec.pooling)
+            elif msg.resume is None:
                 built.add_to(self.engine, rid)
             else:
                 add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
@@ -324,8 +338,19 @@ class EngineServer(ManagerMessages):
         built.spec.whole = not msg.body.get("stream") and built.spec.pooling is None
         self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
         self.by_peer[peer].add(rid)
-        if built.spec.pooling is not None:
-            self.pooled.update((sub, rid) for sub in built.spec.pooling.ids)
+
+    def _slice_added(self, rid: str, ids: list[str]) -> None:
+        self.pooled.update((sub, rid) for sub in ids)
+
+    def _slice_failed(self, rid: str, exc: Exception) -> None:
+        """vLLM refused one of a pooling request's inputs: the request fails (a 4xx, as at admission)."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        bad = refusal(exc)
+        if bad.unexpected:
+            log.warning("request %s refused while added: %s (param %s)", rid, type(exc).__name__, bad.param)
+        self._fail(req.peer, rid, str(bad), bad.status, bad.param)
 
     def _drop(self, rid: str) -> None:
         """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
@@ -361,6 +386,7 @@ class EngineServer(ManagerMessages):
                 api.close()
             for sub in getattr(req.spec, "pooling", None) and req.spec.pooling.ids or ():
                 self.pooled.pop(sub, None)
+            self.slices.drop(rid)
             mine = self.by_peer.get(req.peer)
             if mine is not None:
                 mine.discard(rid)
@@ -411,7 +437,7 @@ class EngineServer(ManagerMessages):
             return  # a call that is not a step (loading, the calls of a release to sleep): requests wait
         try:
             self._drain_frontend()
-            if self.pending:
+            if self.pending or self.slices:
                 self.intake_while_waiting += 1
                 self._add_pending_until_reply()
             # A tokenizer question at a time while the reply is not in (each wake of the wait), off

@@ -10,12 +10,17 @@ prompt, the batch collected, the response built — and here they run in the
 engine's loop: steps one, two and five are vLLM's own methods (rendering
 synchronously, as ``render_async`` does on its executor), steps three and four
 are mirrored (``PoolingBaseServing._prepare_generators`` and
-``_collect_batch``, pinned in tools/vllm_pins.py): each prompt is added to
-``LLMEngine`` as its own request with vLLM's id, and when the last one is out
+``_collect_batch``, pinned in tools/vllm_pins.py): each prompt is rendered
+and added to ``LLMEngine`` as its own request, a slice at a time between steps
+(engine_core/slices.py), and when the last one is out
 the response vLLM builds (its JSON, vectors and scores from vLLM's pooler)
-goes to the gateway whole (``Delta.api_output``).
+goes to the gateway whole (``Delta.api_output``). The engine requests' ids are
+made from the gateway's id for the request, never from the client's
+``request_id`` (vLLM's ``_prepare_generators`` makes them from it), which is
+only echoed as the answer's id.
 
-A pooling request is one step: after a restart the gateway sends it again whole.
+A pooling request is one step: after a restart the gateway sends it again whole
+(not after its engine was killed as hung: api_gateway/sequences.py).
 """
 
 from __future__ import annotations
@@ -81,15 +86,16 @@ class PoolingApis:
         self.routes = tuple(kind for kind, (attr, *_) in ROUTES.items() if getattr(self, attr) is not None)
 
     def start(self, kind: str, body: dict[str, Any], request_id: str, answer_id: str) -> "PooledBuilt":
-        """The request's engine requests (vLLM's ids, made from ``answer_id`` unless the body names
-        one; prompts; pooling parameters), ready to add; vLLM's refusal as ``BadRequest``."""
+        """The request's engine requests (ids made from ``request_id``, the gateway's; prompts;
+        pooling parameters), ready to add; vLLM's refusal as ``BadRequest``. The answer's id is
+        vLLM's, from the body's ``request_id`` or else ``answer_id``: echoed, never an engine id."""
         attr, module, name = ROUTES[kind]
         serving = getattr(self, attr)
         if serving is None:
             raise BadRequest(f"The model does not support {NOT_SUPPORTED[attr]} (it answers "
                              f"{', '.join(PATHS[k] for k in self.routes)})", status=400)
         try:
-            return PooledBuilt(PoolingCall(serving, _request_type(module, name), body, answer_id), request_id)
+            return PooledBuilt(PoolingCall(serving, _request_type(module, name), body, answer_id, request_id))
         except BadRequest:
             raise
         except Exception as exc:
@@ -107,7 +113,7 @@ def _request_type(module: str, name: str):
 class PoolingCall:
     """One pooling request in the engine: vLLM's context for it, its engine requests, their outputs."""
 
-    def __init__(self, serving, request_type, body: dict[str, Any], request_id: str):
+    def __init__(self, serving, request_type, body: dict[str, Any], answer_id: str, request_id: str):
         from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
         from vllm.entrypoints.pooling.scoring.serving import ServingScores
 
@@ -115,31 +121,59 @@ class PoolingCall:
 
         if isinstance(serving, ServingScores) and serving.enable_flash_late_interaction:
             raise BadRequest("late-interaction scoring (flash) is not supported by servectl", status=400)
-        body = {**body, "request_id": body.get("request_id") or request_id}
+        body = {**body, "request_id": body.get("request_id") or answer_id}
         request = request_type.validate_python(body)
         io = serving.get_io_processor(request)
         ctx = run_to_end(serving._init_ctx(io, request, None))
-        # PoolingBaseServing._preprocessing, rendering as render_async does (on this thread)
-        renders = io.get_request_factory_online(ctx)
-        if len(renders) == 0:
+        # PoolingBaseServing._preprocessing, rendering as render_async does (on this thread),
+        # an input at a time as add_some is called (engine_core/slices.py)
+        self.renders = io.get_request_factory_online(ctx)
+        if len(self.renders) == 0:
             raise ValueError("You must pass at least one prompt")
-        ctx.engine_inputs = [io.render(r) for r in renders]
-        if isinstance(serving, ServingEmbedding):  # its _preprocessing's own step
-            serving.io_processor.maybe_pre_process_chunked(ctx)
-        # _prepare_generators: one engine request per prompt, with vLLM's ids
-        ctx.pooling_params.verify(serving.model_config)
-        self.requests = []
-        for i, engine_input in enumerate(ctx.engine_inputs):
-            rid = f"{ctx.request_id}-{i}" if ctx.prompt_request_ids is None else ctx.prompt_request_ids[i]
-            self.requests.append((rid, engine_input["prompts"], engine_input["params"], engine_input["priorities"]))
+        self.rendered: list = []
+        self.chunked = isinstance(serving, ServingEmbedding)  # its _preprocessing's own step
         self.serving, self.io, self.ctx = serving, io, ctx
+        self.requests: list[tuple] = []  # (id, prompt, params, priority), once every input is rendered
+        self.added = 0  # of them, added to LLMEngine
+        self.complete = False  # every one added
         self.outputs: dict[str, Any] = {}
-        self.request_id = ""  # the engine request it answers (Generate.request_id)
+        self.request_id = request_id  # the engine request it answers (Generate.request_id)
         self.done = False  # its response went out
 
     @property
     def ids(self) -> list[str]:
-        return [rid for rid, *_ in self.requests]
+        """The engine requests added so far (each, every one once ``complete``)."""
+        return [rid for rid, *_ in self.requests[:self.added]]
+
+    def add_some(self, engine, stop) -> list[str]:
+        """Render the next inputs, then add their engine requests, until ``stop()`` (at least
+        one step of either); the ids added by this call."""
+        new: list[str] = []
+        ctx = self.ctx
+        while len(self.rendered) < len(self.renders):
+            self.rendered.append(self.io.render(self.renders[len(self.rendered)]))
+            if stop():
+                return new
+        if not self.requests:
+            ctx.engine_inputs = self.rendered
+            if self.chunked:
+                self.serving.io_processor.maybe_pre_process_chunked(ctx)
+            # _prepare_generators: one engine request per prompt. vLLM makes their ids from the
+            # client's request_id (ctx.request_id); here they are made from the gateway's id, unique
+            # to this request, so two requests sending one request_id cannot take each other's
+            # outputs (security issue 53, item 4). The client's id is only echoed (the answer's id).
+            ctx.pooling_params.verify(self.serving.model_config)
+            self.requests = [(f"{self.request_id}-{i}", e["prompts"], e["params"], e["priorities"])
+                             for i, e in enumerate(ctx.engine_inputs)]
+        while self.added < len(self.requests):
+            rid, prompt, params, priority = self.requests[self.added]
+            self.added += 1  # (counted first: vLLM may hold part of one it refuses, and it is dropped)
+            engine.add_request(rid, prompt, params, priority=priority or 0)
+            new.append(rid)
+            if stop():
+                return new
+        self.complete = True
+        return new
 
     def deltas(self, ro) -> list[P.Delta]:
         """One engine request's output; once every one is in, vLLM's response (``_collect_batch``,
@@ -151,7 +185,7 @@ class PoolingCall:
         if ro.error is not None:
             raise GenerationError(ro.error.message)
         self.outputs[ro.request_id] = ro
-        if len(self.outputs) < len(self.requests):
+        if not self.complete or len(self.outputs) < len(self.requests):
             return []
         ctx = self.ctx
         ctx.final_res_batch = [self.outputs[rid] for rid in self.ids]
@@ -166,22 +200,9 @@ class PoolingCall:
 
 
 class PooledBuilt:
-    """A pooling request ready for ``LLMEngine``: its engine requests, one per prompt (requests.py
-    ``Built``'s surface)."""
+    """A pooling request ready for ``LLMEngine``: its output spec (requests.py ``Built``'s
+    surface); the engine adds its engine requests by slices (engine_core/slices.py)."""
 
-    def __init__(self, call: PoolingCall, request_id: str):
+    def __init__(self, call: PoolingCall):
         self.call = call
-        call.request_id = request_id
         self.spec = OutputSpec(chat=False, pooling=call)
-
-    def add_to(self, engine, request_id: str) -> str:
-        added = []
-        try:
-            for rid, prompt, params, priority in self.call.requests:
-                engine.add_request(rid, prompt, params, priority=priority or 0)
-                added.append(rid)
-        except Exception:
-            if added:
-                engine.abort_request(added)
-            raise
-        return request_id

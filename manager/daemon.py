@@ -232,7 +232,8 @@ class Manager:
                              pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
                              detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
                              start_s=group.start_s, config_id=group.config_id, loras=list(group.loras),
-                             unfit=group.unfit is not None))
+                             unfit=group.unfit is not None,
+                             hung=group.killed_hung and group.state in (GroupState.EXITED, GroupState.BACKOFF)))
         notify(f"STATUS=model {group.name}: {group.state}")
         for fut in self.state_waiters.pop(group, []):
             if not fut.done():

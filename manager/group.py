@@ -131,6 +131,7 @@ class EngineGroup:
         self.state = GroupState.STOPPED
         self.reason: str | None = None
         self.incarnation = ""
+        self.killed_hung = False
         self.frozen = False  # as the engine last reported (GroupFrozen)
         self.step_deadline_s: float | None = None  # as the engine last published it (StepDeadlineChanged)
         self.freezing = m.freeze_grace_s > 0
@@ -247,6 +248,7 @@ class EngineGroup:
         self.restart_timer = None
         self.permanent_failure = None
         self.incarnation = secrets.token_hex(6)
+        self.killed_hung = False  # this incarnation's engine was killed as hung (kill_hung)
         self.step_deadline_s = None  # a new engine lifetime is cold until it publishes its own
         self.start_began = time.monotonic()
         key = secrets.token_bytes(32)
@@ -483,8 +485,9 @@ class EngineGroup:
         if self.state in (S.STOPPING, S.STOPPED, S.RELEASED):
             return  # asked for
         was = self.state
+        hung = " (killed as hung: a gateway saw no output in time)" if self.killed_hung else ""
         if self._swap({S.STARTING, S.READY, S.DRAINING, S.RELEASING, S.ASLEEP}, S.EXITED,
-                      f"{child.component} {child.last_exit}"):
+                      f"{child.component} {child.last_exit}{hung}"):
             self.exited_from = was
             child.set(ChildState.EXITED, child.last_exit or "")
             if self.drained is not None and not self.drained.done():
@@ -526,6 +529,7 @@ class EngineGroup:
             return False
         for c in self.children:
             c.signal(signal.SIGCONT)
+        self.killed_hung = True  # said in its exit's events: gateways send its unstarted requests nowhere
         self.engine.signal(signal.SIGKILL)
         return True
 

@@ -73,6 +73,9 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_per_model: PositiveInt = 256
     # One request's prompts × n: more is a 400 (one request may fill a batch, not a queue).
     max_sequences_per_request: PositiveInt = 256
+    # Items of one /v1/responses input or /v1/messages request (and never more than the model's
+    # context length): more is a 400 before the engine renders any (api_gateway/input_bounds.py).
+    max_input_items: PositiveInt = 4096
     # A connection has this long to send a request's headers (from its opening or the end of
     # its previous response: also how long an idle keep-alive connection stays open).
     header_timeout_s: PositiveFloat = 60.0

@@ -467,3 +467,111 @@ def test_a_tokenizer_question_queued_keeps_the_loop_from_blocking(server, monkey
     with pytest.raises(StopIteration):
         server.run()
     assert timeouts[0] == 0 and not server.tokenizing
+
+
+class SlicedCall:
+    """A pooling request's engine requests as pooling_apis.PoolingCall adds them (a double): an
+    input rendered, or one added, per call of ``stop``; one answer once every one is out."""
+
+    def __init__(self, rid: str, n: int, fail_at: int | None = None):
+        self.request_id, self.n, self.fail_at = rid, n, fail_at
+        self.rendered = self.added = 0
+        self.complete = self.done = False
+        self.outputs: set[str] = set()
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(self.added)]
+
+    def add_some(self, engine, stop) -> list[str]:
+        new = []
+        while self.rendered < self.n:
+            if self.rendered == self.fail_at:
+                raise ValueError("This model's maximum context length is 64 tokens")
+            self.rendered += 1
+            if stop():
+                return new
+        while self.added < self.n:
+            self.added += 1
+            engine.add_request(self.ids[-1], "p", None)
+            new.append(self.ids[-1])
+            if stop():
+                return new
+        self.complete = True
+        return new
+
+    def deltas(self, ro):
+        self.outputs.add(ro.request_id)
+        if not (self.complete and len(self.outputs) == self.n):
+            return []
+        self.done = True
+        return [P.Delta(request_id=self.request_id, finish_reason="stop", api_output="{}")]
+
+
+def pooled(srv, rid: str, call: SlicedCall) -> None:
+    built = srv._build
+    srv._build = lambda msg: SimpleNamespace(spec=OutputSpec(chat=False, pooling=call))
+    srv._on_generate(PEER, P.Generate(request_id=rid, kind="embeddings", body={"input": ["x"] * call.n}))
+    srv._add_pending()
+    srv._build = built
+
+
+def test_a_pooling_requests_inputs_are_added_by_slices_between_steps(server, monkeypatch):
+    """Security issue 53, item 2: rendering and adding 6 inputs at 4 ms each takes three gaps of
+    10 ms; a request arriving meanwhile is added at the next gap and steps in between."""
+    clock = iter(range(10_000))
+    monkeypatch.setattr(core.time, "monotonic", lambda: next(clock) * 0.004)
+    call = SlicedCall("p", 6)
+    pooled(server, "p", call)
+    assert 0 < call.rendered < 6 and call.added == 0 and not server.engine.requests
+    server._on_stats(PEER, P.Stats(request_ids=["p"]))
+    assert server.sent[-1].missing == []  # held while its inputs go in
+    generate(server, "g")
+    server._add_pending()
+    assert "g" in server.engine.requests and not call.complete  # the small one went in at once
+    server.engine.outputs = [output("g", 5)]
+    server._step()  # g's step, between two slices
+    for _ in range(5):
+        if call.complete:
+            break
+        server._add_pending()
+    assert call.complete and set(server.engine.requests) == {"g", *call.ids}
+    server.sent.clear()
+    server.engine.outputs = [output(f"p-{i}", 1, finished=True) for i in range(6)]
+    server._step()
+    assert [(d.request_id, d.api_output) for d in server.sent[0].deltas] == [("p", "{}")]
+    assert "p" not in server.requests and not server.pooled
+
+
+def test_a_pooling_request_aborted_or_refused_while_sliced_is_dropped(server, monkeypatch):
+    clock = iter(range(10_000))
+    monkeypatch.setattr(core.time, "monotonic", lambda: next(clock) * 0.004)
+    generate(server, "g")  # busy: the slices have their budget
+    server._add_pending()
+    call = SlicedCall("p", 8)
+    pooled(server, "p", call)
+    while call.added < 2:
+        server._add_pending()
+    server._on_abort(PEER, P.Abort(request_ids=["p"]))
+    assert not server.slices and "p" not in server.requests
+    assert set(call.ids) <= set(server.engine.aborted) and set(server.engine.requests) == {"g"}
+    bad = SlicedCall("q", 4, fail_at=2)
+    pooled(server, "q", bad)
+    while server.slices:
+        server._add_pending()
+    error = server.sent[-1]
+    assert isinstance(error, P.RequestError) and error.request_id == "q" and error.status == 400, error
+    assert "q" not in server.requests and not server.slices
+
+
+def test_a_sliced_pooling_request_goes_on_while_a_steps_model_runs(server, monkeypatch):
+    clock = iter(range(10_000))
+    monkeypatch.setattr(core.time, "monotonic", lambda: next(clock) * 0.004)
+    generate(server, "g")
+    server._add_pending()
+    call = SlicedCall("p", 6)
+    pooled(server, "p", call)
+    assert not call.complete and not server.pending
+    server.engine.outputs = [output("g", 5)]
+    server._step()  # the model runs and no reply is in: the slices go on meanwhile
+    assert call.complete and server.intake_while_waiting == 1

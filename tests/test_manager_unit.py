@@ -225,7 +225,25 @@ def test_hang_report_of_an_old_incarnation_is_ignored(tmp_path):
     group, host = group_in(tmp_path, S.READY)
     group.incarnation = "now"
     assert group.kill_hung("before") is False
+    assert group.killed_hung is False
     assert group.kill_hung("now") is True
+
+
+def test_an_engine_killed_as_hung_says_so_in_its_exit(tmp_path):
+    """Gateways send its unstarted requests nowhere (security issue 53: the event's ``hung``)."""
+    async def scenario():
+        group, host = group_in(tmp_path, S.READY)
+        group.incarnation = "now"
+        for c in group.children:
+            c.signal = lambda sig: None
+        assert group.kill_hung("now") is True and group.killed_hung
+        for c in group.children:
+            Alive.die(c)
+            group.on_member_exit(c)
+        assert group.state is S.BACKOFF and "killed as hung" in group.reason
+        group.restart_timer.cancel()
+
+    asyncio.run(scenario())
 
 
 # ---- reload planning ---------------------------------------------------------------

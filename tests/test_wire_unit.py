@@ -120,7 +120,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.RemoveLora: [CP.RemoveLora(call_id=3, name="sql")],
     # events
     CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
-                        incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4),
+                        incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4, hung=True),
                known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
                             time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef",
                             loras=[LORA], unfit=True),
@@ -149,7 +149,8 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     # engine: engine → gateway
     EP.HelloReply: [EP.HelloReply(version=1, incarnation="abc", model="m.1", max_model_len=512, max_num_seqs=8,
                                   rejected_frames=3, tasks=["embed", "token_embed"],
-                                  kv_events={"endpoint": "tcp://127.0.0.1:5557", "topic": ""}, kv_events_rank=2)],
+                                  kv_events={"endpoint": "tcp://127.0.0.1:5557", "topic": ""}, kv_events_rank=2,
+                                  max_prompt_chars=18944)],
     EP.PromptInfo: [EP.PromptInfo(tokens=3, token_ids=[0, 5, 6], echo_text="def ",
                                   echo_logprobs=[["<s>", None, None, None], ["def", -1.0, [["def", -1.0]], None]],
                                   prompt_logprobs=[None, {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "def"}}],

@@ -476,6 +476,9 @@ class Event(msgspec.Struct, kw_only=True):
     # Model events: it cannot be loaded under the memory budget even alone (detail says why):
     # gateways refuse its requests instead of holding them.
     unfit: bool = False
+    # Model events: this engine lifetime was killed as hung (a gateway's GroupHung): its requests
+    # that had produced nothing are not sent to the next one (api_gateway/sequences.py).
+    hung: bool = False
 
 
 control_in_decoder = msgspec.msgpack.Decoder(ControlIn)

@@ -124,6 +124,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     # `vllm serve`'s /kv_event_sources answers it); None with events off.
     kv_events: dict[str, Any] | None = None
     kv_events_rank: int = 0  # the rank its event batches carry (its slot): the key /kv_event_sources uses
+    # The most characters a prompt may have before vLLM refuses it untokenised: max_model_len ×
+    # the tokenizer's max_chars_per_token (0: not told).
+    max_prompt_chars: int = 0
 
 
 class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
