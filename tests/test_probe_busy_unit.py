@@ -54,6 +54,8 @@ def test_an_engine_that_answers_other_work_during_a_probe_is_busy_not_hung():
         quiet = asyncio.ensure_future(h.post("/v1/completions", COMPLETION))
         await h.engine.recv()
         status, body = await quiet
-        assert status == 503 and h.hangs == ["m"]
+        # (Reported at least once: on a loaded machine a second probe period may pass before the
+        # 503, and each silent period is a report; the manager restarts a group once either way.)
+        assert status == 503 and h.hangs and set(h.hangs) == {"m"}, h.hangs
 
     run(scenario, output_timeout_s=0.15)
