@@ -12,7 +12,8 @@ or attack, at random: SIGKILL a worker, the engine, a gateway or a standby;
 SIGSTOP a worker (a hang, found at the step deadline); fill the log disk for
 a while; a 4 MB ``/tokenize``; three 30 MiB frames on the read-only control
 socket; a fake ``GroupHung`` from a process of the owner; 200 idle TCP
-connections held open. Pass: no client error but the unavoidable (a request
+connections held open; media parts naming a URL of a server the run holds
+(issue 53 item 3: every one a 400, nothing fetched). Pass: no client error but the unavoidable (a request
 whose connection was on a gateway that was killed: docs/supervision.md),
 every completed answer equal to its reference, nothing running at the end,
 the manager's memory bounded. Results go to ``bench/results/<date>-chaos.{json,md}``.
@@ -53,7 +54,8 @@ REQUESTS = {
                                                      "top_logprobs": 2, "ignore_eos": True}),
 }
 FAULTS = ("kill-worker", "kill-engine", "stop-worker", "kill-gateway", "kill-standby", "fill-disk",
-          "big-tokenize", "oversized-control", "fake-hang", "idle-connections")
+          "big-tokenize", "oversized-control", "fake-hang", "idle-connections",
+          "media-fetch")
 
 
 def same(name: str, texts: list[str], reference: list[str]) -> bool:
@@ -250,6 +252,8 @@ class Chaos:
             inc = next(m.incarnation for m in st.models if m.name == "default")
             reply = ControlClient(self.runtime_dir).request(P.GroupHung(model="default", incarnation=inc))
             return "refused" if not reply.ok else "ACCEPTED"
+        if kind == "media-fetch":
+            return self.media_fetch()
         if kind == "idle-connections":
             conns = []
             try:
@@ -261,6 +265,50 @@ class Chaos:
                 for c in conns:
                     c.close()
         raise ValueError(kind)
+
+    def media_fetch(self) -> str:
+        """Issue 53 item 3: media parts naming a URL on a server of our own, typed, untyped and as a
+        text part with a ``uuid`` (vLLM reads those by their keys), on every route that takes
+        content: each a 400, the server never asked (a fetch fails the fault)."""
+        import http.server
+
+        hits: list[str] = []
+
+        class Recorder(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                hits.append(self.path)
+                self.send_response(404)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/media"
+        statuses = []
+        try:
+            for part in ({"image_url": url}, {"type": "image_url", "image_url": {"url": url}},
+                         {"type": "text", "text": "hi", "uuid": "u", "image_url": url}):
+                msgs = [{"role": "user", "content": [part]}]
+                for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+                                   ("/v1/responses", {"input": msgs, "max_output_tokens": 2}),
+                                   ("/v1/messages", {"messages": msgs, "max_tokens": 2}),
+                                   ("/v2/embed", {"inputs": [{"content": [part]}], "input_type": "query",
+                                                  "embedding_types": ["float"]})):
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+                    try:
+                        conn.request("POST", path, json.dumps({"model": "default", **body}),
+                                     {"Content-Type": "application/json"})
+                        statuses.append(conn.getresponse().status)
+                    finally:
+                        conn.close()
+        finally:
+            server.shutdown()
+            server.server_close()
+        if hits:
+            raise RuntimeError(f"an engine fetched a client's URL ({len(hits)} time(s))")
+        return "refused, nothing fetched" if set(statuses) == {400} else "ACCEPTED"
 
     def run(self, duration_s: float, gap: tuple[float, float], clients: int = 3,
             kinds: tuple[str, ...] = FAULTS) -> Report:
