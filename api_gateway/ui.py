@@ -9,7 +9,10 @@ processes: the manager's status, RSS and CPU from /proc, requests and tokens per
 figures that have no event (RSS, CPU, tokens per second, requests running) are sampled at
 most once a second, and only while a page is connected (``UiHub.sample``); uptimes and
 countdowns are the browser's arithmetic on timestamps; a keep-alive comment goes after
-15 s without anything else. An idle daemon with no page open does nothing for it.
+15 s without anything else. An idle daemon with no page open does nothing for it. Open
+pages are capped (``ui_hub.stream_cap``: a quarter of the connection cap at most, so the
+API keeps the rest; ``STREAMS_PER_ADDRESS`` per client address) and a page that takes no
+write within ``WRITE_TIMEOUT_S`` is closed.
 
 Who may do what: with API keys configured, the page needs one; log tails (they can hold
 request text) and the load / unload / restart / freeze buttons need an admin key. A key is
@@ -39,8 +42,9 @@ import msgspec
 from aiohttp import web
 
 from api_gateway.errors import HttpError
+from api_gateway.http_server import connection_cap
 from api_gateway.keys import Access, KeyRing, fingerprint
-from api_gateway.ui_hub import Page, UiHub, sse
+from api_gateway.ui_hub import WRITE_TIMEOUT_S, Page, UiHub, sse, stream_cap
 from servectl.wire import control as MP
 
 if TYPE_CHECKING:
@@ -100,6 +104,8 @@ class Sessions:
 
 
 class UiRoutes:
+    write_timeout_s = WRITE_TIMEOUT_S
+
     def __init__(self, gateway: Gateway, secret: str = "", instance: str = ""):
         self.g = gateway
         self.sessions = Sessions(bytes.fromhex(secret) if secret else secrets.token_bytes(32))
@@ -184,18 +190,29 @@ class UiRoutes:
         wanted = request.query.get("log") or None
         if wanted is not None and not admin:
             raise HttpError(403, "log tails need an admin key (they can hold request text)", "permission_error")
+        remote = request.remote or ""
+        refusal = self.hub.refusal(remote, stream_cap(connection_cap(self.g.cfg.max_connections)))
+        if refusal is not None:
+            raise HttpError(503, refusal, "service_unavailable", code="too_many_streams", headers={"Retry-After": "5"})
         resp = web.StreamResponse(headers={**SECURITY_HEADERS, "Content-Type": "text/event-stream",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         issued = token.split(".")[2] if token.count(".") == 4 else ""
         expires = int(issued) + self.sessions.ttl_s if issued.isdigit() else float("inf")
-        page = Page(admin, wanted, token, expires)
+        page = Page(admin, wanted, token, expires, remote)
         self.hub.join(page, sse("hello", {
             "admin": admin, "signed_in": access is not Access.NONE, "csrf": self.sessions.csrf(token) if admin else None,
             "admin_keys": self.g.keys.admin_enabled, "log": wanted}))
         try:
             while not page.closed:
-                await resp.write(page.take() or b": keep-alive\n\n")
+                try:
+                    # event-proof: a write's bound: a page that reads nothing is closed, not waited on.
+                    await asyncio.wait_for(resp.write(page.take() or b": keep-alive\n\n"), self.write_timeout_s)
+                except asyncio.TimeoutError:
+                    log.info("status page from %s read nothing for %gs: closed", remote, self.write_timeout_s)
+                    if request.transport is not None:
+                        request.transport.abort()  # its unsent bytes dropped, its slot freed
+                    break
                 try:
                     # event-proof: a page is open; the keep-alive's bound (and its session's end).
                     await asyncio.wait_for(page.wake.wait(), min(KEEPALIVE_S, max(0.0, expires - time.time())))
