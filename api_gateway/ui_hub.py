@@ -55,6 +55,7 @@ class Page:
     def __init__(self, admin: bool, log_component: str | None, token: str, expires_at: float, remote: str = ""):
         self.admin = admin
         self.remote = remote  # the client's address: STREAMS_PER_ADDRESS
+        self.scope = ""  # its session's scope (the gateway's port, ui.Sessions)
         self.log_component = log_component
         self.log_after = 0
         self.token = token  # its session: checked again when keys change and as it expires

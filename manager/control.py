@@ -384,7 +384,8 @@ class ControlServer:
 
         async def run() -> None:
             self.reply(caller, await loras.change(m.groups, msg, P.LORA_CHANGE_TIMEOUT_S,
-                                                  frozenset(m.configured), m.lora_changes))
+                                                  frozenset(m.configured), m.lora_changes,
+                                                  m.settings.lora_roots))
 
         m.tasks.start(run(), type(msg).__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -75,7 +76,7 @@ def test_text_and_non_content_fields_pass(body):
 async def open_stream(h, local: str = "127.0.0.1"):
     """A /ui/stream on a raw connection from ``local`` that reads nothing: (status line, writer)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", h.port, local_addr=(local, 0))
-    writer.write(b"GET /ui/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    writer.write(b"GET /ui/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nSec-Fetch-Site: same-origin\r\n\r\n")
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     return head.split(b"\r\n", 1)[0], writer
@@ -127,7 +128,7 @@ def test_a_stream_that_reads_nothing_is_closed_when_a_write_stalls():
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", h.port))
-        sock.sendall(b"GET /ui/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        sock.sendall(b"GET /ui/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nSec-Fetch-Site: same-origin\r\n\r\n")
         await asyncio.sleep(0.3)
         hub = h.gw.ui.hub
         assert len(hub.pages) == 1
@@ -140,3 +141,151 @@ def test_a_stream_that_reads_nothing_is_closed_when_a_write_stalls():
         assert not hub.pages  # the page was dropped, its slot free
         sock.close()
     run(scenario)
+
+
+# -- item 8: LoRA adapters over HTTP from configured roots only, errors that say nothing -------
+
+def test_outside_roots_resolves_links_and_parents(tmp_path):
+    from manager.loras import outside_roots
+
+    root = tmp_path / "adapters"
+    (root / "sql").mkdir(parents=True)
+    (root / "out").symlink_to("/etc")
+    roots = [str(root)]
+    assert not outside_roots(str(root / "sql"), roots)
+    assert not outside_roots(str(root / "missing"), roots)  # the same answer whether it exists or not
+    for path in ("/etc", str(root / "out"), str(root / ".." / "x"), str(tmp_path / "adapters-2"), "org/hub-id"):
+        assert outside_roots(path, roots), path
+    assert outside_roots(str(root / "sql"), []) and outside_roots(str(root / "sql"), ["relative"])
+
+
+class FakeGroup:
+    """What manager.loras.change uses of an EngineGroup: its engine answers as the test says."""
+
+    def __init__(self, answer):
+        from servectl import config as C
+        from servectl.wire.vocab import ModelState
+
+        self.model = "m"
+        self.cfg = C.ModelConfig(name="m", model="/m", engine_args={"enable_lora": True})
+        self.state = ModelState.READY
+        self.loras = []
+        self.answer = answer
+        self.calls = []
+
+    async def change_lora(self, call, timeout_s):
+        self.calls.append(call)
+        return self.answer
+
+
+def lora_load(path: str, http: bool):
+    from servectl.config import LoraModule
+    from servectl.wire import control as P
+
+    who = P.HttpCaller(key_id="abc", address="192.0.2.1", gateway="gateway:0") if http else None
+    return P.LoadLora(lora=LoraModule(name="sql", path=path), http=who)
+
+
+def test_an_http_load_outside_the_roots_never_reaches_the_engine(tmp_path):
+    from manager import loras
+
+    g = FakeGroup(None)
+    for roots in ([], [str(tmp_path / "adapters")]):
+        reply = asyncio.run(loras.change({"m": g}, lora_load("/etc", http=True), 5, roots=roots))
+        assert not reply.ok and reply.status == 400 and "lora_roots" in reply.message and "/etc" not in reply.message
+    assert g.calls == []
+
+
+def test_an_engine_s_refusal_of_a_path_reaches_an_http_caller_without_its_reason(tmp_path):
+    from manager import loras
+    from servectl.wire import control as P
+
+    root = str(tmp_path)
+    detail = f"No adapter found for {tmp_path}/x"
+    refused = P.LoraDone(model="m", incarnation="i", call_id=1, ok=False, status=400, message=detail, files=True)
+    reply = asyncio.run(loras.change({"m": FakeGroup(refused)}, lora_load(f"{root}/x", http=True), 5, roots=[root]))
+    assert not reply.ok and reply.status == 400 and "No adapter" not in reply.message and root not in reply.message
+    # the owner's CLI gets vLLM's reason; a refusal of the request itself (a name) is told as it is
+    reply = asyncio.run(loras.change({"m": FakeGroup(refused)}, lora_load(f"{root}/x", http=False), 5))
+    assert reply.message == detail
+    named = P.LoraDone(model="m", incarnation="i", call_id=1, ok=False, status=400,
+                       message="The lora adapter 'sql' has already been loaded.")
+    reply = asyncio.run(loras.change({"m": FakeGroup(named)}, lora_load(f"{root}/x", http=True), 5, roots=[root]))
+    assert reply.message == named.message
+
+
+def test_lora_roots_is_a_manager_setting(tmp_path):
+    from servectl import config as C
+
+    path = tmp_path / "c.toml"
+    path.write_text('[manager]\nlora_roots = ["/srv/adapters"]\n')
+    assert C.load_config(path)[0].manager.lora_roots == ["/srv/adapters"]
+
+
+# -- item 9: the session is the port's; actions and streams from this page only; Secure --------
+
+API, ADMIN = "api-key-0123456789abcdef", "admin-key-0123456789abcdef"
+
+
+def test_a_session_is_valid_on_the_port_it_was_made_for_only():
+    from api_gateway.keys import Access, KeyRing, fingerprint
+    from api_gateway.ui import Sessions
+
+    keys, s = KeyRing([API], [ADMIN]), Sessions(b"k" * 32)
+    token = s.issue(Access.ADMIN, fingerprint(ADMIN), 1000, "8000")
+    assert s.check(token, keys, 1001, "8000") is Access.ADMIN
+    assert s.check(token, keys, 1001, "8001") is Access.NONE  # another service's port on the same host
+    assert s.csrf(token, "8000") != s.csrf(token, "8001")
+
+
+async def ui_request(h, method: str, path: str, headers: dict, cookie: str | None = None, **kw):
+    if cookie:
+        headers = {**headers, "Cookie": f"{h.gw.ui.cookie}_{h.port}={cookie}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, h.url + path, headers=headers, allow_redirects=False, **kw) as r:
+            if r.status == 200 and path == "/ui/stream":
+                return r.status, r.cookies
+            await r.read()
+            return r.status, r.cookies
+
+
+def test_actions_and_streams_need_sec_fetch_site_or_this_server_s_origin():
+    from api_gateway.keys import Access, fingerprint
+
+    async def scenario(h):
+        quiet_sampler(h)
+        sessions, port = h.gw.ui.sessions, str(h.port)
+        admin = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time(), port)
+        csrf = {"X-CSRF-Token": sessions.csrf(admin, port)}
+        here = f"http://127.0.0.1:{h.port}"
+        body = {"verb": "nope", "model": "m"}  # past the checks, a 400 (no manager is asked)
+        for headers, want in (({}, 403),  # no Origin, no Sec-Fetch-Site: a form or tool elsewhere
+                              ({"Sec-Fetch-Site": "cross-site"}, 403), ({"Sec-Fetch-Site": "same-site"}, 403),
+                              ({"Sec-Fetch-Site": "none"}, 403),
+                              ({"Origin": "http://evil.example"}, 403),
+                              ({"Sec-Fetch-Site": "same-origin"}, 400), ({"Origin": here}, 400)):
+            status, _ = await ui_request(h, "POST", "/ui/action", {**csrf, **headers}, admin, json=body)
+            assert status == want, (headers, status)
+            status, _ = await ui_request(h, "GET", "/ui/stream", headers, admin)
+            assert status == (200 if want == 400 else 403), (headers, status)
+            await asyncio.sleep(0.05)
+        # a cookie from another port's session (the same name on another port) opens nothing
+        other = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time(), str(h.port + 1))
+        status, _ = await ui_request(h, "GET", "/ui/stream", {"Sec-Fetch-Site": "same-origin"}, other)
+        assert status == 401
+    run(scenario, api_keys=[API], admin_keys=[ADMIN])
+
+
+def test_the_cookie_is_named_for_the_port_and_secure_behind_a_named_tls_proxy():
+    async def scenario(h):
+        name = f"{h.gw.ui.cookie}_{h.port}"
+        login = {"Origin": f"http://127.0.0.1:{h.port}"}
+        for headers, secure in (({}, False), ({"X-Forwarded-Proto": "https"}, True)):
+            status, cookies = await ui_request(h, "POST", "/ui/login", {**login, **headers}, data={"key": API})
+            assert status == 303 and bool(cookies[name]["secure"]) is secure, headers
+    run(scenario, api_keys=[API], tls_proxies=["127.0.0.1"])
+
+    async def unnamed(h):  # a proxy not named: its X-Forwarded-Proto is not believed
+        status, cookies = await ui_request(h, "POST", "/ui/login", {"X-Forwarded-Proto": "https"}, data={"key": API})
+        assert status == 303 and not cookies[f"{h.gw.ui.cookie}_{h.port}"]["secure"]
+    run(unnamed, api_keys=[API], tls_proxies=["192.0.2.7"])
