@@ -8,6 +8,7 @@ import http.server as hs
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -128,3 +129,46 @@ def test_the_gateway_knows_every_media_part_vllm_reads():
     from api_gateway.media import MEDIA_KEYS, MEDIA_TYPES
     assert chat_utils._MEDIA_CONTENT_PART_KEYS <= MEDIA_KEYS
     assert set(chat_utils.MM_PARSER_MAP) - chat_utils._TEXT_CONTENT_PART_TYPES <= MEDIA_TYPES
+
+
+def audit_file(d, name: str) -> list[dict]:
+    import json
+    state = d.runtime_dir / "state"
+    return [json.loads(line) for path in (state / f"{name}.1", state / name) if path.exists()
+            for line in path.read_text().splitlines()]
+
+
+def test_a_flood_of_refusals_on_control_ro_leaves_the_accepted_lines(daemon):
+    """Issue 53 item 7: 1,006 refused messages (35 KB audited each: 35 MB, past both 16 MiB
+    generations) on the read-only socket; the accepted line stays, 20 refusals are written and
+    the rest counted."""
+    import zmq
+
+    from servectl.client import ControlClient
+    from servectl.config import ModelConfig
+    from servectl.paths import RuntimePaths
+    from servectl.wire import control as P
+
+    reply = ControlClient(daemon.runtime_dir).request(P.SetFreezing(model="default", enabled=True))
+    assert reply.ok, reply
+    big = P.encoder.encode(P.LoadModel(model=ModelConfig(name="flood", model="/nowhere", engine_args={
+        f"k{i}": "x" * 600 for i in range(64)})))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    start = time.monotonic()
+    try:
+        sock.connect(RuntimePaths.ipc(RuntimePaths(daemon.runtime_dir).control_ro))
+        for _ in range(1006):
+            sock.send(big)
+        for _ in range(1006):  # every one refused (answered)
+            assert sock.poll(60_000), "the manager stopped answering"
+            assert not P.control_out_decoder.decode(sock.recv()).ok
+    finally:
+        sock.close()
+    accepted = [r for r in audit_file(daemon, "audit.log") if r["command"] == "set_freezing"]
+    assert accepted and accepted[-1]["outcome"] == "accepted"
+    flood = [r for r in audit_file(daemon, "audit-denied.log") if r["via"] == "control-ro"]
+    assert 1 <= len(flood) <= 21 + (time.monotonic() - start), len(flood)  # a burst, then one a second
+    assert ControlClient(daemon.runtime_dir).request(P.SetFreezing(model="default", enabled=True)).ok
+    said = [r.get("suppressed", 0) for r in audit_file(daemon, "audit-denied.log") if r["via"] == "control-ro"]
+    assert sum(said) + len(said) >= 1006, said  # every refusal written or counted

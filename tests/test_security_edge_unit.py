@@ -289,3 +289,57 @@ def test_the_cookie_is_named_for_the_port_and_secure_behind_a_named_tls_proxy():
         status, cookies = await ui_request(h, "POST", "/ui/login", {"X-Forwarded-Proto": "https"}, data={"key": API})
         assert status == 303 and not cookies[f"{h.gw.ui.cookie}_{h.port}"]["secure"]
     run(unnamed, api_keys=[API], tls_proxies=["192.0.2.7"])
+
+
+# -- item 7: a read-only peer's refusals are rate-limited and cannot rotate accepted lines away --
+
+def test_the_refusal_limiter_writes_a_burst_then_counts_per_peer():
+    from manager.audit import RefusalLimiter
+
+    lim = RefusalLimiter(per_s=1.0, burst=3)
+    assert [lim.take("a", 0.0) for _ in range(5)] == [0, 0, 0, None, None]
+    assert lim.take("b", 0.0) == 0  # another peer has its own budget
+    assert lim.take("a", 1.0) == 2  # a token back: written, saying the two not written
+    assert lim.take("a", 1.0) is None and lim.owed() == [("a", 1)] and lim.owed() == []
+    small = RefusalLimiter(max_peers=4)
+    for i in range(100):
+        small.take(i, float(i))
+    assert len(small.peers) <= 4
+
+
+class Sock:
+    def send_multipart(self, frames, flags=0):
+        pass
+
+
+def test_a_flood_of_refusals_on_control_ro_leaves_accepted_lines_and_says_how_many(tmp_path):
+    import json
+    import os
+    from types import SimpleNamespace
+
+    import zmq.asyncio
+
+    from manager.audit import Peer
+    from manager.control import Caller, ControlServer
+    from servectl.wire import control as P
+
+    ctx = zmq.asyncio.Context()
+    try:
+        srv = ControlServer(SimpleNamespace(state_dir=tmp_path, groups={}), ctx)
+        srv.audit.rotate_bytes = 256 * 1024
+        owner = Caller(Sock(), b"o", Peer(os.geteuid(), os.getegid(), 10), "control")
+        srv.record(owner, P.SetFreezing(model="m", enabled=True), "accepted")
+        group = Caller(Sock(), b"g", Peer(65534, 65534, 11), "control-ro")
+        big = P.encoder.encode(P.UnloadModel(name="x" * 4096))
+        for _ in range(1006):  # as the audit's 45 s flood
+            srv.take(group, big)
+        accepted = (tmp_path / "audit.log").read_text().splitlines()
+        assert [json.loads(x)["outcome"] for x in accepted] == ["accepted"]
+        denied = [json.loads(x) for x in (tmp_path / "audit-denied.log").read_text().splitlines()]
+        assert len(denied) == 20 and all(d["uid"] == 65534 and d["command"] == "unload" for d in denied)
+        srv.record(owner, P.SetFreezing(model="m", enabled=False), "accepted")  # the count is said first
+        last = json.loads((tmp_path / "audit-denied.log").read_text().splitlines()[-1])
+        assert last["suppressed"] == 986 and last["uid"] == 65534 and last["via"] == "control-ro"
+        assert len((tmp_path / "audit.log").read_text().splitlines()) == 2
+    finally:
+        ctx.destroy(linger=0)
