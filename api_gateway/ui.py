@@ -45,6 +45,7 @@ import msgspec
 from aiohttp import web
 
 from api_gateway.errors import HttpError
+from api_gateway.http_policy import host_name, is_loopback_name
 from api_gateway.http_server import connection_cap
 from api_gateway.keys import Access, KeyRing, fingerprint
 from api_gateway.ui_hub import WRITE_TIMEOUT_S, Page, UiHub, sse, stream_cap
@@ -153,16 +154,20 @@ class UiRoutes:
         origin = request.headers.get("Origin")
         return origin is None or origin.split("://", 1)[-1] == request.headers.get("Host", "")
 
-    @staticmethod
-    def from_this_page(request: web.Request) -> bool:
+    def from_this_page(self, request: web.Request, stream: bool = False) -> bool:
         """A button's POST or a stream from this server's own page: its browser says so with
         ``Sec-Fetch-Site: same-origin`` or, where it sends no Sec-Fetch-Site, this server's
-        ``Origin``. A request with neither (a form or script elsewhere, a bare tool) is refused."""
+        ``Origin`` (a POST always has one). A request with neither is refused, but for a stream
+        over plain HTTP to a host name that is not loopback: browsers send Sec-Fetch-Site only to
+        trustworthy origins (TLS, localhost) and no Origin on a same-origin GET, so the page's own
+        stream has neither there (its SameSite=Strict cookie still comes only from this site)."""
         site = request.headers.get("Sec-Fetch-Site")
         if site is not None:
             return site == "same-origin"
         origin = request.headers.get("Origin")
-        return origin is not None and origin.split("://", 1)[-1] == request.headers.get("Host", "")
+        if origin is not None:
+            return origin.split("://", 1)[-1] == request.headers.get("Host", "")
+        return stream and not self.secure(request) and not is_loopback_name(host_name(request.headers.get("Host", "")))
 
     def secure(self, request: web.Request) -> bool:
         """The cookie is ``Secure`` on TLS, and behind a TLS proxy the operator named
@@ -220,7 +225,7 @@ class UiRoutes:
         return resp
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        if not self.from_this_page(request):
+        if not self.from_this_page(request, stream=True):
             raise HttpError(403, "the status page's stream is for its own page (Sec-Fetch-Site or Origin)",
                             "permission_error")
         access, token = self.access(request)

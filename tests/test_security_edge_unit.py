@@ -343,3 +343,22 @@ def test_a_flood_of_refusals_on_control_ro_leaves_accepted_lines_and_says_how_ma
         assert len((tmp_path / "audit.log").read_text().splitlines()) == 2
     finally:
         ctx.destroy(linger=0)
+
+
+def test_over_plain_http_to_a_lan_name_the_page_s_own_stream_has_neither_header_and_is_served():
+    """Browsers send Sec-Fetch-Site only to trustworthy origins, and no Origin on a same-origin
+    GET: there the stream is served without them; the buttons (a POST: Origin) never are."""
+    from api_gateway.keys import Access, fingerprint
+
+    async def scenario(h):
+        quiet_sampler(h)
+        sessions, port = h.gw.ui.sessions, str(h.port)
+        admin = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time(), port)
+        lan = {"Host": f"llm.lan:{h.port}"}
+        assert (await ui_request(h, "GET", "/ui/stream", lan, admin))[0] == 200
+        assert (await ui_request(h, "POST", "/ui/action", {**lan, "X-CSRF-Token": sessions.csrf(admin, port)},
+                                 admin, json={"verb": "nope", "model": "m"}))[0] == 403
+        # behind a TLS proxy the browser sends Sec-Fetch-Site: without it, refused
+        tls = {**lan, "X-Forwarded-Proto": "https"}
+        assert (await ui_request(h, "GET", "/ui/stream", tls, admin))[0] == 403
+    run(scenario, api_keys=[API], admin_keys=[ADMIN], allowed_hosts=["llm.lan"], tls_proxies=["127.0.0.1"])
