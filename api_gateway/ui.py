@@ -23,9 +23,10 @@ removed); the gateway's port is in the cookie's name and its MAC (cookies ignore
 it is ``Secure`` on TLS or behind a TLS proxy named in ``gateway.tls_proxies``. Buttons exist
 in the DOM only for an admin session, and their POSTs carry a CSRF token derived from the
 session; they and the stream need ``Sec-Fetch-Site: same-origin`` (or this server's
-``Origin`` from a browser that sends no Sec-Fetch-Site). Every value reaches the DOM as text (``textContent``), the
-Content-Security-Policy allows no inline script and nothing from elsewhere, and the Host and
-CORS rules are the API's (the gateway's middleware).
+``Origin`` from a browser that sends no Sec-Fetch-Site: ``from_this_page``). Every value
+reaches the DOM as text (``textContent``), the Content-Security-Policy allows no inline
+script and nothing from elsewhere, and the Host and CORS rules are the API's (the gateway's
+middleware).
 """
 
 from __future__ import annotations
