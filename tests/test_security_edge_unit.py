@@ -319,7 +319,7 @@ def test_a_flood_of_refusals_on_control_ro_leaves_accepted_lines_and_says_how_ma
 
     import zmq.asyncio
 
-    from manager.audit import Peer
+    from manager.audit import Peer, RefusalLimiter
     from manager.control import Caller, ControlServer
     from servectl.wire import control as P
 
@@ -327,6 +327,7 @@ def test_a_flood_of_refusals_on_control_ro_leaves_accepted_lines_and_says_how_ma
     try:
         srv = ControlServer(SimpleNamespace(state_dir=tmp_path, groups={}), ctx)
         srv.audit.rotate_bytes = 256 * 1024
+        srv.refusals = RefusalLimiter(per_s=0.0)  # no token back during the flood, however slow the host
         owner = Caller(Sock(), b"o", Peer(os.geteuid(), os.getegid(), 10), "control")
         srv.record(owner, P.SetFreezing(model="m", enabled=True), "accepted")
         group = Caller(Sock(), b"g", Peer(65534, 65534, 11), "control-ro")
