@@ -359,7 +359,7 @@ def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
 def test_an_idle_release_and_the_wake_keep_the_adapters(daemon_factory):
     """A model released when idle (its engine and workers stopped) comes back on the next request
     with its adapters, those loaded at run time included; while released it holds no memory."""
-    idle = daemon_factory(config().replace("[manager]\n", "[manager]\nidle_release_s = 2\nfreeze_grace_s = 0.5\n"))
+    idle = daemon_factory(config(roots=(LORA_DIR.parent,)).replace("[manager]\n", "[manager]\nidle_release_s = 2\nfreeze_grace_s = 0.5\n"))
     assert load(idle, "runtime", LORA_DIR).status == 200
     expected = text_of(idle, "vllm-code")
     wait_for(lambda: idle.status().models[0].state == "released", 120, what="the model released")
