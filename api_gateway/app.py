@@ -266,8 +266,9 @@ class Gateway:
                            tasks=link.supported_tasks or None)
 
     def adapter_card(self, link: ServedModel, lora) -> H.ModelCard:
-        """A LoRA adapter as vLLM lists it (root: its path; parent: its base model), in its model's state."""
-        return H.ModelCard(id=lora.name, created=self.created, root=lora.path,
+        """A LoRA adapter as vLLM lists it (parent: its base model), in its model's state; no ``root``:
+        vLLM's is the adapter's path, which an API key has no business knowing (issue 53)."""
+        return H.ModelCard(id=lora.name, created=self.created,
                            parent=lora.base_model_name or link.model, max_model_len=link.max_model_len,
                            state=link.status, tasks=link.supported_tasks or None)
 

@@ -5,7 +5,7 @@ classes, which run in the model's engine (engine_core/serving_apis.py): the
 engine sends each step's output already in the API's form
 (``Delta.api_output``: a stream's SSE events, a whole answer's JSON body). The
 gateway does here what it does for every endpoint (the body read and its
-fields sorted, the model routed, admission, holding through a restart) and
+fields sorted and media refused, the model routed, admission, holding through a restart) and
 writes what the engine made. ``/v1/messages/count_tokens`` is a tokenizer
 question to the engine. vLLM keeps no responses (its store is off), so
 ``GET /v1/responses/{id}`` and its cancel are its 404. The pooling routes
@@ -57,25 +57,6 @@ def check_kind(model: str, tasks: list[str], path: str) -> None:
                         code="wrong_model_kind")
 
 
-# Content parts that would make the engine fetch or decode media (the renderer there is text only).
-MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio", "input_video", "image", "document", "image_url",
-                         "audio_url", "video_url", "input_audio_url", "file"})
-
-
-def check_text_only(value, field: str) -> None:
-    """Refuse media anywhere in a request's input (items, messages, tool results)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            if v.get("type") in MEDIA_PARTS:
-                raise HttpError(400, f"multimodal input is not supported (a `{v['type']}` part)", param=field,
-                                code="unsupported_parameter")
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-
-
 def anthropic_error_body(exc: HttpError) -> bytes:
     """Anthropic's error shape, as vLLM's Messages router gives it."""
     return json.dumps({"type": "error", "error": {"type": exc.type, "message": exc.message}}).encode()
@@ -109,18 +90,14 @@ class ApiEndpoints:
         raise HttpError(404, f"Response with id '{rid}' not found.", param="response_id")
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        req, forward = await read_body(request, self.gateway.cfg, "count_tokens")
-        for field in ("messages", "system"):
-            check_text_only(forward.get(field), field)
+        req, forward = await read_body(request, self.gateway.cfg, "count_tokens")  # media refused there
         link = self.gateway.link_for(self.gateway.model_for(req.model))  # its limits, if its engine said them
         check_input("messages", forward, link.max_model_len, link.max_prompt_chars, self.gateway.cfg.max_input_items)
         return await self.gateway.ask_tokenizer(request, req.model, "count_tokens", forward)
 
     async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         g = self.gateway
-        req, forward = await read_body(request, g.cfg, kind)
-        for field in ("input", "messages", "system"):
-            check_text_only(forward.get(field), field)
+        req, forward = await read_body(request, g.cfg, kind)  # media refused there (media.py)
         if forward.get("encoding_format") in ("bytes", "bytes_only"):
             raise HttpError(400, "`encoding_format` bytes and bytes_only are not supported by servectl (vLLM streams "
                                  "them as raw binary); use float or base64", param="encoding_format",

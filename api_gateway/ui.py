@@ -9,17 +9,24 @@ processes: the manager's status, RSS and CPU from /proc, requests and tokens per
 figures that have no event (RSS, CPU, tokens per second, requests running) are sampled at
 most once a second, and only while a page is connected (``UiHub.sample``); uptimes and
 countdowns are the browser's arithmetic on timestamps; a keep-alive comment goes after
-15 s without anything else. An idle daemon with no page open does nothing for it.
+15 s without anything else. An idle daemon with no page open does nothing for it. Open
+pages are capped (``ui_hub.stream_cap``: a quarter of the connection cap at most, so the
+API keeps the rest; ``STREAMS_PER_ADDRESS`` per client address) and a page that takes no
+write within ``WRITE_TIMEOUT_S`` is closed.
 
 Who may do what: with API keys configured, the page needs one; log tails (they can hold
 request text) and the load / unload / restart / freeze buttons need an admin key. A key is
 given once, in a form (``POST /ui/login``), never in a URL: the answer is an HttpOnly,
 SameSite=Strict session cookie, signed (``Sessions``) with a secret the manager gives every
 gateway of the daemon, naming the key by its fingerprint (it stops working when the key is
-removed). Buttons exist in the DOM only for an admin session, and their POSTs carry a CSRF
-token derived from the session. Every value reaches the DOM as text (``textContent``), the
-Content-Security-Policy allows no inline script and nothing from elsewhere, and the Host and
-CORS rules are the API's (the gateway's middleware).
+removed); the gateway's port is in the cookie's name and its MAC (cookies ignore ports), and
+it is ``Secure`` on TLS or behind a TLS proxy named in ``gateway.tls_proxies``. Buttons exist
+in the DOM only for an admin session, and their POSTs carry a CSRF token derived from the
+session; they and the stream need ``Sec-Fetch-Site: same-origin`` (or this server's
+``Origin`` from a browser that sends no Sec-Fetch-Site: ``from_this_page``). Every value
+reaches the DOM as text (``textContent``), the Content-Security-Policy allows no inline
+script and nothing from elsewhere, and the Host and CORS rules are the API's (the gateway's
+middleware).
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ import msgspec
 from aiohttp import web
 
 from api_gateway.errors import HttpError
+from api_gateway.http_policy import host_name, is_loopback_name
+from api_gateway.http_server import connection_cap
 from api_gateway.keys import Access, KeyRing, fingerprint
-from api_gateway.ui_hub import Page, UiHub, sse
+from api_gateway.ui_hub import WRITE_TIMEOUT_S, Page, UiHub, sse, stream_cap
 from servectl.wire import control as MP
 
 if TYPE_CHECKING:
@@ -61,26 +70,29 @@ VERBS = ("load", "unload", "restart", "freeze", "thaw")
 
 
 class Sessions:
-    """Pure: signed session tokens ``<access>.<key id>.<issued>.<nonce>.<mac>`` and their CSRF tokens."""
+    """Pure: signed session tokens ``<access>.<key id>.<issued>.<nonce>.<mac>`` and their CSRF tokens.
+
+    The MAC covers the ``scope`` too, the gateway's port: browsers send a host's cookies to
+    every port on it, and a token another service there is sent opens nothing on another port."""
 
     def __init__(self, secret: bytes, ttl_s: float = SESSION_TTL_S):
         self.secret = secret
         self.ttl_s = ttl_s
 
-    def _mac(self, text: str) -> str:
-        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+    def _mac(self, text: str, scope: str = "") -> str:
+        return hmac.new(self.secret, f"{scope}|{text}".encode(), hashlib.sha256).hexdigest()
 
-    def issue(self, access: Access, key_id: str, now: float) -> str:
+    def issue(self, access: Access, key_id: str, now: float, scope: str = "") -> str:
         body = f"{access.value}.{key_id}.{int(now)}.{secrets.token_hex(8)}"
-        return f"{body}.{self._mac(body)}"
+        return f"{body}.{self._mac(body, scope)}"
 
-    def check(self, token: str | None, keys: KeyRing, now: float) -> Access:
-        """What a session opens now: its key's access if the token is ours, fresh, and the key it
-        was made with is still configured (at most what it was made with); else NONE."""
+    def check(self, token: str | None, keys: KeyRing, now: float, scope: str = "") -> Access:
+        """What a session opens now: its key's access if the token is ours (for this scope), fresh,
+        and the key it was made with is still configured (at most what it was made with); else NONE."""
         if not token or token.count(".") != 4:
             return Access.NONE
         body, _, mac = token.rpartition(".")
-        if not token.isascii() or not hmac.compare_digest(mac.encode(), self._mac(body).encode()):
+        if not token.isascii() or not hmac.compare_digest(mac.encode(), self._mac(body, scope).encode()):
             return Access.NONE
         level, key_id, issued, _ = body.split(".")
         try:
@@ -95,11 +107,13 @@ class Sessions:
             return Access.NONE
         return Access.ADMIN if made is Access.ADMIN and now_access is Access.ADMIN else Access.API
 
-    def csrf(self, token: str) -> str:
-        return self._mac("csrf:" + token)[:32]
+    def csrf(self, token: str, scope: str = "") -> str:
+        return self._mac("csrf:" + token, scope)[:32]
 
 
 class UiRoutes:
+    write_timeout_s = WRITE_TIMEOUT_S
+
     def __init__(self, gateway: Gateway, secret: str = "", instance: str = ""):
         self.g = gateway
         self.sessions = Sessions(bytes.fromhex(secret) if secret else secrets.token_bytes(32))
@@ -117,10 +131,20 @@ class UiRoutes:
         app.router.add_post("/ui/action", self.action)
 
     # ---- who is asking --------------------------------------------------------------------
+    @staticmethod
+    def port(request: web.Request) -> str:
+        """The gateway's port this request came in on: the scope of its session (its cookie's name
+        and MAC), whatever Host the client sent."""
+        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        return str(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else ""
+
+    def cookie_name(self, request: web.Request) -> str:
+        return f"{self.cookie}_{self.port(request)}"
+
     def access(self, request: web.Request) -> tuple[Access, str]:
         """(what this browser's session opens, its token)."""
-        token = request.cookies.get(self.cookie, "")
-        return self.sessions.check(token, self.g.keys, time.time()), token
+        token = request.cookies.get(self.cookie_name(request), "")
+        return self.sessions.check(token, self.g.keys, time.time(), self.port(request)), token
 
     def may_view(self, access: Access) -> bool:
         return self.g.keys.api_open or access is not Access.NONE
@@ -130,6 +154,30 @@ class UiRoutes:
         """A browser's POST comes with its page's Origin: it must be this server's."""
         origin = request.headers.get("Origin")
         return origin is None or origin.split("://", 1)[-1] == request.headers.get("Host", "")
+
+    def from_this_page(self, request: web.Request, stream: bool = False) -> bool:
+        """A button's POST or a stream from this server's own page: its browser says so with
+        ``Sec-Fetch-Site: same-origin`` or, where it sends no Sec-Fetch-Site, this server's
+        ``Origin`` (a POST always has one). A request with neither is refused, but for a stream
+        over plain HTTP to a host name that is not loopback: browsers send Sec-Fetch-Site only to
+        trustworthy origins (TLS, localhost) and no Origin on a same-origin GET, so the page's own
+        stream has neither there (its SameSite=Strict cookie still comes only from this site)."""
+        site = request.headers.get("Sec-Fetch-Site")
+        if site is not None:
+            return site == "same-origin"
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            return origin.split("://", 1)[-1] == request.headers.get("Host", "")
+        return stream and not self.secure(request) and not is_loopback_name(host_name(request.headers.get("Host", "")))
+
+    def secure(self, request: web.Request) -> bool:
+        """The cookie is ``Secure`` on TLS, and behind a TLS proxy the operator named
+        (``gateway.tls_proxies``) when it says it took the request on https."""
+        if request.secure:
+            return True
+        proxies = self.g.cfg.tls_proxies
+        return bool(proxies) and request.remote in proxies and \
+            request.headers.get("X-Forwarded-Proto", "").lower() == "https"
 
     # ---- routes -----------------------------------------------------------------------------
     async def page(self, request: web.Request) -> web.Response:
@@ -165,18 +213,22 @@ class UiRoutes:
             self.g.admin.refused(request, None, 401, "status page sign-in: not a configured key")
             return self.login_page(True, status=401)
         resp = web.Response(status=303, headers={**SECURITY_HEADERS, "Location": "/ui"})
-        resp.set_cookie(self.cookie, self.sessions.issue(access, fingerprint(key), time.time()),
-                        max_age=SESSION_TTL_S, path="/ui", httponly=True, samesite="Strict", secure=request.secure)
+        token = self.sessions.issue(access, fingerprint(key), time.time(), self.port(request))
+        resp.set_cookie(self.cookie_name(request), token, max_age=SESSION_TTL_S, path="/ui", httponly=True,
+                        samesite="Strict", secure=self.secure(request))
         return resp
 
     async def logout(self, request: web.Request) -> web.Response:
         if not self.same_origin(request):
             raise HttpError(403, "a logout from another origin", "permission_error")
         resp = web.Response(status=303, headers={**SECURITY_HEADERS, "Location": "/ui"})
-        resp.del_cookie(self.cookie, path="/ui")
+        resp.del_cookie(self.cookie_name(request), path="/ui")
         return resp
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
+        if not self.from_this_page(request, stream=True):
+            raise HttpError(403, "the status page's stream is for its own page (Sec-Fetch-Site or Origin)",
+                            "permission_error")
         access, token = self.access(request)
         if not self.may_view(access):
             raise HttpError(401, "sign in on /ui first (an API key)", "authentication_error")
@@ -184,18 +236,31 @@ class UiRoutes:
         wanted = request.query.get("log") or None
         if wanted is not None and not admin:
             raise HttpError(403, "log tails need an admin key (they can hold request text)", "permission_error")
+        remote = request.remote or ""
+        refusal = self.hub.refusal(remote, stream_cap(connection_cap(self.g.cfg.max_connections)))
+        if refusal is not None:
+            raise HttpError(503, refusal, "service_unavailable", code="too_many_streams", headers={"Retry-After": "5"})
         resp = web.StreamResponse(headers={**SECURITY_HEADERS, "Content-Type": "text/event-stream",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         issued = token.split(".")[2] if token.count(".") == 4 else ""
         expires = int(issued) + self.sessions.ttl_s if issued.isdigit() else float("inf")
-        page = Page(admin, wanted, token, expires)
+        page = Page(admin, wanted, token, expires, remote)
+        page.scope = self.port(request)
         self.hub.join(page, sse("hello", {
-            "admin": admin, "signed_in": access is not Access.NONE, "csrf": self.sessions.csrf(token) if admin else None,
+            "admin": admin, "signed_in": access is not Access.NONE,
+            "csrf": self.sessions.csrf(token, self.port(request)) if admin else None,
             "admin_keys": self.g.keys.admin_enabled, "log": wanted}))
         try:
             while not page.closed:
-                await resp.write(page.take() or b": keep-alive\n\n")
+                try:
+                    # event-proof: a write's bound: a page that reads nothing is closed, not waited on.
+                    await asyncio.wait_for(resp.write(page.take() or b": keep-alive\n\n"), self.write_timeout_s)
+                except asyncio.TimeoutError:
+                    log.info("status page from %s read nothing for %gs: closed", remote, self.write_timeout_s)
+                    if request.transport is not None:
+                        request.transport.abort()  # its unsent bytes dropped, its slot freed
+                    break
                 try:
                     # event-proof: a page is open; the keep-alive's bound (and its session's end).
                     await asyncio.wait_for(page.wake.wait(), min(KEEPALIVE_S, max(0.0, expires - time.time())))
@@ -214,7 +279,7 @@ class UiRoutes:
         if not self.g.keys.api_open or self.g.keys.admin_enabled:
             now = time.time()
             for page in list(self.hub.pages):
-                access = self.sessions.check(page.token, self.g.keys, now) if page.token else Access.NONE
+                access = self.sessions.check(page.token, self.g.keys, now, page.scope) if page.token else Access.NONE
                 if (page.admin and access is not Access.ADMIN) or not self.may_view(access):
                     page.close()
 
@@ -222,9 +287,9 @@ class UiRoutes:
         access, token = self.access(request)
         if access is not Access.ADMIN:
             raise HttpError(403, "the buttons need an admin key", "permission_error")
-        if not self.same_origin(request) or not hmac.compare_digest(
+        if not self.from_this_page(request) or not hmac.compare_digest(
                 request.headers.get("X-CSRF-Token", "").encode("utf-8", "surrogateescape"),
-                self.sessions.csrf(token).encode()):
+                self.sessions.csrf(token, self.port(request)).encode()):
             raise HttpError(403, "missing or wrong CSRF token (reload the page)", "permission_error")
         try:
             body = msgspec.json.decode(await request.read(), type=dict[str, str])

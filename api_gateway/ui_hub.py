@@ -32,6 +32,16 @@ log = logging.getLogger("api_gateway.ui")
 SAMPLE_S = 1.0  # the figures without events: at most this often, only while a page is open
 EVENTS_KEPT = 200  # the recent events a page gets when it opens
 PENDING_KEPT = 1000  # events and log lines a page that reads nothing is owed, at most (oldest dropped)
+# Open pages are connections that never count as idle (http_server.py): capped, so the API keeps its slots.
+STREAMS_MAX = 64  # per gateway, and never more than a quarter of its connection cap
+STREAMS_PER_ADDRESS = 4  # a browser's tabs; an address holding more is refused
+WRITE_TIMEOUT_S = 10.0  # a page that has not taken a write's bytes by then is closed (it reads nothing)
+
+
+def stream_cap(connections: int) -> int:
+    """The pages a gateway with this connection cap holds at most: three quarters of its
+    connections are kept for the API, whatever the pages do."""
+    return max(1, min(STREAMS_MAX, connections // 4))
 
 
 def sse(kind: str, data) -> bytes:
@@ -42,8 +52,10 @@ class Page:
     """One open page: what it may see, the log it follows, what it is owed. The latest
     snapshot takes one slot (a slow page skips to the newest); events and log lines queue."""
 
-    def __init__(self, admin: bool, log_component: str | None, token: str, expires_at: float):
+    def __init__(self, admin: bool, log_component: str | None, token: str, expires_at: float, remote: str = ""):
         self.admin = admin
+        self.remote = remote  # the client's address: STREAMS_PER_ADDRESS
+        self.scope = ""  # its session's scope (the gateway's port, ui.Sessions)
         self.log_component = log_component
         self.log_after = 0
         self.token = token  # its session: checked again when keys change and as it expires
@@ -149,6 +161,14 @@ class UiHub:
         for page in self.pages:
             page.push(data)
         self.poke.set()
+
+    def refusal(self, remote: str, cap: int) -> str | None:
+        """Why a new page from ``remote`` may not open now (this gateway's cap, or its address's), or None."""
+        if len(self.pages) >= cap:
+            return f"{cap} status pages are open on this server (its cap); close one or try again later"
+        if sum(p.remote == remote for p in self.pages) >= STREAMS_PER_ADDRESS:
+            return f"{STREAMS_PER_ADDRESS} status pages are open from this address; close one first"
+        return None
 
     def join(self, page: Page, hello: bytes) -> None:
         """A page opens: its hello, the recent events and the last snapshot first, then what comes."""

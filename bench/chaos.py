@@ -15,7 +15,8 @@ socket; a fake ``GroupHung`` from a process of the owner; 200 idle TCP
 connections held open; 200,000 inputs in one ``/v1/embeddings`` (to
 ``default-embed``, the bundled model served as an embedding model too), four
 ``/v1/responses`` inputs of 100,000 items at once, each with a small request
-beside it that must be answered within ``BESIDE_S``. Pass: no client error but the unavoidable (a request
+beside it that must be answered within ``BESIDE_S``; media parts naming a URL of a
+server the run holds (issue 53 item 3: every one a 400, nothing fetched). Pass: no client error but the unavoidable (a request
 whose connection was on a gateway that was killed: docs/supervision.md),
 every completed answer equal to its reference, nothing running at the end,
 the manager's memory bounded. Results go to ``bench/results/<date>-chaos.{json,md}``.
@@ -57,7 +58,8 @@ REQUESTS = {
                                                      "top_logprobs": 2, "ignore_eos": True}),
 }
 FAULTS = ("kill-worker", "kill-engine", "stop-worker", "kill-gateway", "kill-standby", "fill-disk",
-          "big-tokenize", "oversized-control", "fake-hang", "idle-connections", "big-embeddings", "big-responses")
+          "big-tokenize", "oversized-control", "fake-hang", "idle-connections", "big-embeddings", "big-responses",
+          "media-fetch")
 # What a small request beside an attack may take (the attacks of security issue 53: before, 331 s).
 BESIDE_S = 120.0
 
@@ -269,6 +271,8 @@ class Chaos:
             inc = next(m.incarnation for m in st.models if m.name == "default")
             reply = ControlClient(self.runtime_dir).request(P.GroupHung(model="default", incarnation=inc))
             return "refused" if not reply.ok else "ACCEPTED"
+        if kind == "media-fetch":
+            return self.media_fetch()
         if kind in ("big-embeddings", "big-responses"):
             # Issue 53, items 2 and 5: 200,000 token-id inputs (1.6 MB) to the embedding model, or
             # four Responses inputs of 100,000 items at once; then a small request beside them.
@@ -300,6 +304,50 @@ class Chaos:
                     c.close()
         raise ValueError(kind)
 
+    def media_fetch(self) -> str:
+        """Issue 53 item 3: media parts naming a URL on a server of our own, typed, untyped and as a
+        text part with a ``uuid`` (vLLM reads those by their keys), on every route that takes
+        content: each a 400, the server never asked (a fetch fails the fault)."""
+        import http.server
+
+        hits: list[str] = []
+
+        class Recorder(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                hits.append(self.path)
+                self.send_response(404)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/media"
+        statuses = []
+        try:
+            for part in ({"image_url": url}, {"type": "image_url", "image_url": {"url": url}},
+                         {"type": "text", "text": "hi", "uuid": "u", "image_url": url}):
+                msgs = [{"role": "user", "content": [part]}]
+                for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+                                   ("/v1/responses", {"input": msgs, "max_output_tokens": 2}),
+                                   ("/v1/messages", {"messages": msgs, "max_tokens": 2}),
+                                   ("/v2/embed", {"inputs": [{"content": [part]}], "input_type": "query",
+                                                  "embedding_types": ["float"]})):
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+                    try:
+                        conn.request("POST", path, json.dumps({"model": "default", **body}),
+                                     {"Content-Type": "application/json"})
+                        statuses.append(conn.getresponse().status)
+                    finally:
+                        conn.close()
+        finally:
+            server.shutdown()
+            server.server_close()
+        if hits:
+            raise RuntimeError(f"an engine fetched a client's URL ({len(hits)} time(s))")
+        return "refused, nothing fetched" if set(statuses) == {400} else "ACCEPTED"
+
     def run(self, duration_s: float, gap: tuple[float, float], clients: int = 3,
             kinds: tuple[str, ...] = FAULTS) -> Report:
         report = Report(duration_s)
@@ -311,7 +359,8 @@ class Chaos:
         order = list(kinds)
         self.rng.shuffle(order)
         k = 0
-        while time.monotonic() - start < duration_s or k < len(order):  # every kind at least once
+        # Every kind at least once, however long the faults before took (a restart on a busy host).
+        while time.monotonic() - start < duration_s or k < len(order):
             time.sleep(self.rng.uniform(*gap))
             kind = order[k % len(order)]  # every kind once before any twice
             k += 1

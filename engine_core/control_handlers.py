@@ -82,18 +82,18 @@ class ManagerMessages:
         """Load or unload an adapter between steps (vLLM's checks; the workers read its files)."""
         from engine_core.loras import LoraRefused
 
-        ok, status, message = True, 200, ""
+        ok, status, message, files = True, 200, "", False
         try:
             if isinstance(msg, MP.AddLora):
                 message = self.adapters.load(msg.lora, msg.load_inplace)
             else:
                 message = self.adapters.unload(msg.name)
         except LoraRefused as exc:
-            ok, status, message = False, exc.status, str(exc)
+            ok, status, message, files = False, exc.status, str(exc), exc.files
             log.warning("LoRA change refused: %s", message)
         self.control.send(MP.encoder.encode(MP.LoraDone(
             model=self.spec.group_name, incarnation=self.spec.incarnation, call_id=msg.call_id, ok=ok,
-            status=status, message=message, loras=self.adapters.listing())))
+            status=status, message=message, loras=self.adapters.listing(), files=files)))
 
     def _on_freezing(self, msg: MP.FreezingControl) -> None:
         if msg.enabled:

@@ -31,9 +31,10 @@ log = logging.getLogger("engine_core")
 class LoraRefused(Exception):
     """An adapter vLLM would not load or unload: the HTTP status to answer with, and why."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, files: bool = False):
         super().__init__(message)
         self.status = status
+        self.files = files  # the workers could not read or use what is at its path (not vLLM's request checks)
 
 
 def reason(exc_text: str) -> str:
@@ -110,7 +111,8 @@ class Adapters:
             # are the request's fault (its path or its adapter): 400 with the reason.
             status = err.code if 400 <= err.code < 500 and err.code != 404 else 400
             raw = client.error
-            raise LoraRefused(reason(f"{type(raw).__name__}: {raw}" if raw is not None else err.message), status)
+            raise LoraRefused(reason(f"{type(raw).__name__}: {raw}" if raw is not None else err.message), status,
+                              files=raw is not None or err.code == 404)
         lora_request = self.models.lora_requests[lora.name]
         log.info("LoRA adapter %r loaded from %s (id %d)", lora.name, lora.path, lora_request.lora_int_id)
         return result

@@ -31,6 +31,7 @@ from engine_core.footprint import footprint_in_worker, group_footprint, rss_byte
 from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.kv_events import vllm_config
 from engine_core.load_errors import describe, permanent_reason
+from engine_core.media import close_media_fetching
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
                                  read_key)
 from servectl.messages import one_line
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    close_media_fetching()  # before vLLM reads its environment: no media URL fetched unless allowed
     idle = build_choice(spec.idle_release, current_platform.is_sleep_mode_available(), spec.idle_release_s,
                         spec.model.name)
     if idle.warning:

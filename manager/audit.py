@@ -13,6 +13,11 @@ command a gateway sends for an HTTP client (the management routes) also
 names that client: the admin key's fingerprint and the client's address
 (``via: "http"``); the gateway's refusals of such calls are recorded too. Model
 ``env`` values never reach the log (only their names): they may be tokens.
+
+Refusals go to a file of their own, ``audit-denied.log`` (rotated on its own), so
+a flood of them never rotates an accepted command's line away; and each peer's
+are rate-limited (``RefusalLimiter``): past its burst they are counted, and the
+count is said in its next refusal written, or before the next accepted line.
 """
 
 from __future__ import annotations
@@ -140,21 +145,69 @@ def audit_line(record: dict) -> str:
     return msgspec.json.encode(record).decode() + "\n"
 
 
+class RefusalLimiter:
+    """How many refusals of one peer are written one by one: ``per_s`` a second, bursts of
+    ``burst``; the rest are counted and said later (the gateway's ``RefusalBudget``, per peer).
+    At most ``max_peers`` are remembered (those with nothing owed are forgotten first). Pure
+    (the caller gives the clock)."""
+
+    def __init__(self, per_s: float = 1.0, burst: int = 20, max_peers: int = 1024):
+        self.per_s = per_s
+        self.burst = burst
+        self.max_peers = max_peers
+        self.peers: dict[object, list] = {}  # peer -> [tokens, at, suppressed]
+
+    def take(self, peer, now: float) -> int | None:
+        """None: do not write this one (it is counted). Else how many were not written before it."""
+        state = self.peers.get(peer)
+        if state is None:
+            if len(self.peers) >= self.max_peers:
+                self.forget(now)
+            state = self.peers[peer] = [float(self.burst), now, 0]
+        state[0] = min(self.burst, state[0] + (now - state[1]) * self.per_s)
+        state[1] = now
+        if state[0] < 1:
+            state[2] += 1
+            return None
+        state[0] -= 1
+        suppressed, state[2] = state[2], 0
+        return suppressed
+
+    def owed(self) -> list[tuple[object, int]]:
+        """The peers with refusals not written, and how many; said once (counted from zero again)."""
+        out = [(peer, state[2]) for peer, state in self.peers.items() if state[2]]
+        for peer, _ in out:
+            self.peers[peer][2] = 0
+        return out
+
+    def forget(self, now: float) -> None:
+        full = [p for p, (tokens, at, owed) in self.peers.items()
+                if not owed and tokens + (now - at) * self.per_s >= self.burst]
+        for peer in full or list(self.peers)[: len(self.peers) // 2]:
+            del self.peers[peer]
+
+
 class AuditLog:
     """Appends audit lines to a file (0640 inside the state directory; never through a symlink),
-    rotated to ``audit.log.1`` past ``rotate_bytes``. A write that fails (a full disk) is counted
-    and logged, never raised: the control loop that records a command must go on serving."""
+    rotated to ``audit.log.1`` past ``rotate_bytes``; refusals to ``audit-denied.log`` beside it,
+    rotated likewise, so they never rotate an accepted line away. A write that fails (a full
+    disk) is counted and logged, never raised: the control loop that records a command must go
+    on serving."""
 
     def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES):
         self.path = path
+        self.denied_path = path.with_name("audit-denied.log")
         self.rotate_bytes = rotate_bytes
         self.failures = 0  # lines that could not be written
 
     def write(self, record: dict) -> None:
         line = audit_line(record)
         log.info("audit: %s", line.rstrip())
+        self.append(self.denied_path if record.get("outcome") == "denied" else self.path, line)
+
+    def append(self, path: Path, line: str) -> None:
         try:
-            fd = open_append(self.path)
+            fd = open_append(path)
         except OSError as exc:
             self.failed(exc)
             return
@@ -164,10 +217,10 @@ class AuditLog:
             if not stat.S_ISREG(st.st_mode):
                 return
             if st.st_size + len(data) > self.rotate_bytes:
-                os.replace(self.path, self.path.with_suffix(".log.1"))
+                os.replace(path, path.with_suffix(".log.1"))
                 os.close(fd)
                 fd = -1  # closed: never closed twice (the number may be another's by then)
-                fd = open_append(self.path)
+                fd = open_append(path)
             os.write(fd, data)
         except OSError as exc:
             self.failed(exc)

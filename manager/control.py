@@ -32,7 +32,8 @@ import zmq
 import zmq.asyncio
 
 from manager import loras
-from manager.audit import CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, audit_record, parse_peer_address
+from manager.audit import (CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, RefusalLimiter, audit_record,
+                           parse_peer_address)
 from manager.verbs import ModelVerbs
 from servectl import config as C
 from servectl.paths import RuntimePaths
@@ -89,6 +90,7 @@ class ControlServer:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.owners = {os.geteuid(), 0}
         self.audit = AuditLog(manager.state_dir / "audit.log")
+        self.refusals = RefusalLimiter()  # per peer: a flood of refusals is counted, not written
         self.settled_waiters: list[Caller] = []
         self.verbs = ModelVerbs(manager, lambda coro, name: manager.tasks.start(coro, name))
         self.handlers = {
@@ -136,9 +138,26 @@ class ControlServer:
             pass
 
     def record(self, caller: Caller | None, msg, outcome: str) -> None:
-        """One audit line (a SIGHUP reload has no caller)."""
+        """One audit line (a SIGHUP reload has no caller); refusals not yet said go first."""
+        for (via, uid, pid), count in self.refusals.owed():
+            self.audit.write({**audit_record(time.time(), Peer(uid, None, pid), "refusals not written", "denied",
+                                             via), "suppressed": count})
         self.audit.write(audit_record(time.time(), caller.peer if caller else UNKNOWN, msg, outcome,
                                       caller.via if caller else "signal"))
+
+    def record_refusal(self, caller: Caller, msg) -> None:
+        """A refusal's audit line (and log line), within its peer's budget; past it, counted and
+        said with the peer's next one written (or before the next accepted line)."""
+        peer = caller.peer
+        suppressed = self.refusals.take((caller.via, peer.uid, None if peer.uid is not None else peer.pid),
+                                        time.monotonic())
+        if suppressed is None:
+            return
+        log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, peer.uid, peer.pid, caller.via)
+        record = audit_record(time.time(), peer, msg, "denied", caller.via)
+        if suppressed:
+            record["suppressed"] = suppressed
+        self.audit.write(record)
 
     def refusal(self, caller: Caller, msg) -> str | None:
         """Why this caller may not send this message, or None."""
@@ -208,10 +227,11 @@ class ControlServer:
             return
         why = self.refusal(caller, msg)
         if why is not None:
-            log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
-                        caller.peer.pid, caller.via)
             if isinstance(msg, (CHANGING, FROM_CHILDREN)) or caller.via == "control-ro":
-                self.record(caller, msg, "denied")
+                self.record_refusal(caller, msg)
+            else:
+                log.warning("refused %s from uid %s pid %s on %s", type(msg).__name__, caller.peer.uid,
+                            caller.peer.pid, caller.via)
             self.reply(caller, P.Ack(ok=False, message=why))
             return
         if isinstance(msg, CHANGING):
@@ -359,7 +379,8 @@ class ControlServer:
 
         async def run() -> None:
             self.reply(caller, await loras.change(m.groups, msg, P.LORA_CHANGE_TIMEOUT_S,
-                                                  frozenset(m.configured), m.lora_changes))
+                                                  frozenset(m.configured), m.lora_changes,
+                                                  m.settings.lora_roots))
 
         m.tasks.start(run(), type(msg).__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import TYPE_CHECKING, NamedTuple
 
 from servectl import config as C
@@ -85,6 +86,14 @@ def lora_target(models: list[Candidate], model: str | None, adapter: str, loadin
     return model
 
 
+def outside_roots(path: str, roots: list[str]) -> bool:
+    """Whether ``path``, its links resolved, is not inside one of ``roots`` (pure but for realpath:
+    what it says of a path is the same whether the path exists or not)."""
+    real = os.path.realpath(path)
+    return not any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
+                   for root in roots if os.path.isabs(root))
+
+
 def candidates(groups: dict[str, "EngineGroup"]) -> list[Candidate]:
     """One per served model: a replicated model's adapters are its replicas' (each loads them),
     and it takes a change once every replica is ready."""
@@ -103,12 +112,20 @@ def adapter_owner(groups: dict[str, "EngineGroup"], name: str) -> str | None:
 
 
 async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLora, timeout_s: float,
-                 reserved: frozenset[str] = frozenset(), pending: set[str] | None = None) -> P.LoraReply:
+                 reserved: frozenset[str] = frozenset(), pending: set[str] | None = None,
+                 roots: list[str] | None = None) -> P.LoraReply:
     """Apply one LoRA change: the target model's engine loads or drops the adapter. ``pending``:
-    the adapters a change is under way for (the manager's), this one's added while it runs."""
+    the adapters a change is under way for (the manager's), this one's added while it runs.
+    An HTTP caller's load names a path inside ``roots`` ([manager] lora_roots), and a path its
+    engine cannot use is refused in words that do not say what is there (the log has them)."""
     pending = set() if pending is None else pending
     loading = isinstance(msg, P.LoadLora)
     adapter = msg.lora.name if loading else msg.name
+    http = loading and msg.http is not None
+    if http and outside_roots(msg.lora.path, roots or []):
+        return P.LoraReply(ok=False, status=400, message="lora_path is not inside a directory the configuration "
+                           "allows ([manager] lora_roots)" if roots else "loading LoRA adapters over HTTP is off "
+                           "(no [manager] lora_roots configured)")
     target = lora_target(candidates(groups), msg.model, adapter, loading, reserved, frozenset(pending))
     if isinstance(target, Refusal):
         # the reply carries a model's adapters only when it names one
@@ -134,4 +151,9 @@ async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLor
                                    "adapters are as listed")
     if done.ok:
         log.info("model %s: LoRA adapter %s %s", target, adapter, "loaded" if loading else "unloaded")
-    return P.LoraReply(ok=done.ok, status=done.status, message=done.message, model=target, loras=list(group.loras))
+    message = done.message
+    if http and not done.ok and done.files:
+        log.warning("model %s: LoRA adapter %s from %s (an HTTP caller's) not loaded: %s", target, adapter,
+                    msg.lora.path, done.message)
+        message = f"LoRA adapter {adapter!r} could not be loaded from that path (the daemon's log says why)"
+    return P.LoraReply(ok=done.ok, status=done.status, message=message, model=target, loras=list(group.loras))

@@ -98,6 +98,9 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_hosts: list[str] = []
     # Origins whose pages may call the API (CORS); none by default. ["*"]: any.
     cors_origins: list[str] = []
+    # Addresses of reverse proxies that terminate TLS in front of the gateway: a request from
+    # one with X-Forwarded-Proto: https gets the status page's session cookie marked Secure.
+    tls_proxies: list[str] = []
 
 
 class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -139,6 +142,9 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # bytes, a size ("24GiB") or a fraction of the device's memory (0.8). A model that does not
     # fit beside those loaded releases the least recently used ones first (manager/budget.py).
     memory_budget: dict[str, int | float | str] = {}
+    # Directories an HTTP caller (an admin key, /v1/load_lora_adapter) may load LoRA adapters from
+    # at run time; none by default. `servectl lora load` (the daemon's owner) may name any path.
+    lora_roots: list[str] = []
 
 
 # A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules

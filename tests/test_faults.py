@@ -15,8 +15,9 @@ from servectl.wire import control as P
 
 
 def audit_lines(d) -> list[dict]:
-    path = d.runtime_dir / "state" / "audit.log"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """Accepted commands and refusals (these in a file of their own: issue 53)."""
+    paths = (d.runtime_dir / "state" / "audit.log", d.runtime_dir / "state" / "audit-denied.log")
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
 def test_a_fake_hang_report_from_a_process_of_the_owner_is_refused_and_audited(daemon):

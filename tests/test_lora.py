@@ -33,9 +33,10 @@ LORA_ARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", f"vllm-code={LORA_DIR}")
 
 
-def config(extra_models: str = "") -> str:
+def config(extra_models: str = "", roots: tuple = ()) -> str:
     return (f'[gateway]\nadmin_keys = ["{ADMIN}"]\nhold_timeout_s = 120\n'
             "[manager]\nwarm_standby = false\nbackoff_initial_s = 0.3\n"
+            f"lora_roots = {json.dumps([str(r) for r in roots])}\n"
             f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
             f'lora_modules = {{ "vllm-code" = "{LORA_DIR}" }}\n'
             '[models.engine_args]\ndtype = "float32"\nenable_lora = true\nmax_lora_rank = 8\nmax_loras = 2\n'
@@ -44,8 +45,11 @@ def config(extra_models: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")  # the HTTP route's second root (issue 53)
     with DaemonFactory(tmp_path_factory, "lora") as make:
-        yield make(config())
+        daemon = make(config(roots=(LORA_DIR.parent, adapters)))
+        daemon.adapters = adapters
+        yield daemon
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,8 @@ def served(d) -> dict[str, dict]:
 
 def test_the_adapter_is_listed_with_its_parent(d):
     models = served(d)
-    assert models["vllm-code"]["parent"] == "default" and models["vllm-code"]["root"] == str(LORA_DIR)
+    assert models["vllm-code"]["parent"] == "default"
+    assert models["vllm-code"].get("root") is None and str(LORA_DIR) not in json.dumps(models)  # no paths
     assert models["vllm-code"]["state"] == "ready" and models["default"].get("parent") is None
     one = http(d, "GET", "/v1/models/vllm-code", key=None)
     assert one.status == 200 and one.json()["parent"] == "default"
@@ -181,8 +186,8 @@ def test_responses_and_messages_through_the_adapter_equal_vllm_serve(d, vllm_lor
 
 def test_the_model_list_matches_vllm_serve(d, vllm_lora):
     ours, theirs = served(d)["vllm-code"], served(vllm_lora)["vllm-code"]
-    assert {k: ours[k] for k in ("id", "object", "root", "parent")} == \
-        {k: theirs[k] for k in ("id", "object", "root", "parent")}
+    assert {k: ours[k] for k in ("id", "object", "parent")} == {k: theirs[k] for k in ("id", "object", "parent")}
+    assert theirs["root"] == str(LORA_DIR) and ours.get("root") is None  # vLLM shows the path; servectl not
 
 
 # ---- at run time -----------------------------------------------------------------------------
@@ -246,13 +251,20 @@ def bad_adapters(tmp_path):
             "modules": (modules, "expected target modules")}
 
 
-def test_a_bad_adapter_is_a_400_with_the_reason(d, tmp_path):
-    for name, (path, words) in bad_adapters(tmp_path).items():
+def test_a_bad_adapter_is_a_400_the_cli_says_why_and_http_does_not(d):
+    """Over HTTP a missing path and a bad adapter get the same words (issue 53): nothing says
+    what is at a path; the owner's CLI and the log have the reason."""
+    seen = set()
+    for name, (path, words) in bad_adapters(d.adapters).items():
         r = load(d, name, path)
         assert r.status == 400, (name, r.status, r.text)
         message = r.json()["error"]["message"]
-        assert words in message and "Traceback" not in message, (name, message)
+        assert words not in message and str(path) not in message and "Traceback" not in message, (name, message)
+        seen.add(message.replace(repr(name), "NAME"))
+        cli = d.cli("lora", "load", name, str(path))
+        assert cli.returncode == 1 and words in cli.stderr and "Traceback" not in cli.stderr, (name, cli.stderr)
         assert name not in served(d)
+    assert len(seen) == 1, seen
     assert text_of(d, "vllm-code") != text_of(d, "default")  # the daemon serves on
     again = load(d, "vllm-code", LORA_DIR)  # vLLM's own check, with its reason (not the last failure's)
     assert again.status == 400 and "already been loaded" in again.json()["error"]["message"], again.text
@@ -261,6 +273,17 @@ def test_a_bad_adapter_is_a_400_with_the_reason(d, tmp_path):
     assert refused.status == 404 and "vllm-code" in served(d)
     (model,) = d.status().models
     assert model.state == "ready" and model.restarts == 0
+
+
+def test_over_http_an_adapter_path_must_be_inside_the_configured_roots(d):
+    link = d.adapters / "link-out"
+    link.symlink_to(DEFAULT_MODEL_DIR)
+    for path in (DEFAULT_MODEL_DIR, "/etc", "/no/such/dir", LORA_DIR / ".." / ".." / "default", link,
+                 "some-org/some-hub-adapter"):
+        r = load(d, "outside", path)
+        assert r.status == 400 and "lora_roots" in r.json()["error"]["message"], (path, r.text)
+        assert str(path) not in r.text
+    assert "outside" not in served(d)
 
 
 def test_an_engine_sigkill_keeps_the_adapters_and_the_adapter_s_stream(d):
@@ -325,7 +348,7 @@ def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
     if "runtime" not in served(d):
         assert load(d, "runtime", LORA_DIR).status == 200
     engine, gateway = d.child("engine_core:default").pid, d.child("gateway:0").pid
-    d.config_path.write_text(config().replace("hold_timeout_s = 120", "hold_timeout_s = 121"))
+    d.config_path.write_text(d.config_path.read_text().replace("hold_timeout_s = 120", "hold_timeout_s = 121"))
     r = d.cli("reload")
     assert r.returncode == 0, r.stdout + r.stderr
     assert d.child("engine_core:default").pid == engine and d.child("gateway:0").pid != gateway
@@ -336,7 +359,7 @@ def test_a_reload_that_keeps_the_model_keeps_the_adapters(d):
 def test_an_idle_release_and_the_wake_keep_the_adapters(daemon_factory):
     """A model released when idle (its engine and workers stopped) comes back on the next request
     with its adapters, those loaded at run time included; while released it holds no memory."""
-    idle = daemon_factory(config().replace("[manager]\n", "[manager]\nidle_release_s = 2\nfreeze_grace_s = 0.5\n"))
+    idle = daemon_factory(config(roots=(LORA_DIR.parent,)).replace("[manager]\n", "[manager]\nidle_release_s = 2\nfreeze_grace_s = 0.5\n"))
     assert load(idle, "runtime", LORA_DIR).status == 200
     expected = text_of(idle, "vllm-code")
     wait_for(lambda: idle.status().models[0].state == "released", 120, what="the model released")

@@ -202,7 +202,7 @@ def test_the_group_may_read_but_not_change(sec):
         assert code == 4 and "permission denied" in text and "Traceback" not in text, (verb, text)
     assert out["raw"] is not None and not out["raw"].ok and "permission denied" in out["raw"].message
     assert sec.status().state == "running"  # nothing changed
-    audit = [json.loads(x) for x in (rt / "state" / "audit.log").read_text().splitlines()]
+    audit = [json.loads(x) for x in (rt / "state" / "audit-denied.log").read_text().splitlines()]  # issue 53
     denied = [a for a in audit if a["outcome"] == "denied"]
     assert denied and denied[-1]["uid"] == NOBODY and denied[-1]["pid"] == out["pid"] and \
         denied[-1]["command"] == "stop" and denied[-1]["via"] == "control-ro", denied

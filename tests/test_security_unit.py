@@ -303,7 +303,7 @@ def test_audit_line_format_says_who_what_when_and_hides_env_values():
 
 def test_audit_log_appends_and_never_writes_through_a_symlink(tmp_path):
     AuditLog(tmp_path / "audit.log").write(audit_record(0.0, Peer(0, 0, 1), P.StopRequest(), "accepted"))
-    AuditLog(tmp_path / "audit.log").write(audit_record(1.0, Peer(0, 0, 1), P.UnloadModel(name="m"), "denied"))
+    AuditLog(tmp_path / "audit.log").write(audit_record(1.0, Peer(0, 0, 1), P.UnloadModel(name="m"), "accepted"))
     lines = (tmp_path / "audit.log").read_text().splitlines()
     assert [json.loads(x)["command"] for x in lines] == ["stop", "unload"]
     assert stat.S_IMODE(os.stat(tmp_path / "audit.log").st_mode) & 0o007 == 0

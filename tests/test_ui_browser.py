@@ -114,8 +114,11 @@ def session_cookie(driver) -> str:
     return f"{c['name']}={c['value']}"
 
 
+SAME_ORIGIN = {"Sec-Fetch-Site": "same-origin"}  # what the browser says of the page's own requests
+
+
 def post_action(d, cookie: str | None, csrf: str | None, verb: str, model: str) -> int:
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **SAME_ORIGIN}
     if cookie:
         headers["Cookie"] = cookie
     if csrf:
@@ -125,7 +128,7 @@ def post_action(d, cookie: str | None, csrf: str | None, verb: str, model: str) 
 
 def hello(d, cookie: str) -> dict:
     """The stream's first event for this session (what the page learns first)."""
-    req = urllib.request.Request(f"{d.base_url}/ui/stream", headers={"Cookie": cookie})
+    req = urllib.request.Request(f"{d.base_url}/ui/stream", headers={"Cookie": cookie, **SAME_ORIGIN})
     with urllib.request.urlopen(req, timeout=10) as resp:
         lines = []
         for line in resp:
@@ -138,7 +141,7 @@ def hello(d, cookie: str) -> dict:
 def test_a_key_is_needed_and_the_page_renders_every_model_and_process(d, browser):
     browser.get(f"{d.base_url}/ui")
     assert browser.title == "servectl: sign in"  # API keys configured: the page needs one
-    assert http(d, "GET", "/ui/stream", key=None).status == 401
+    assert http(d, "GET", "/ui/stream", headers=SAME_ORIGIN, key=None).status == 401
     sign_in(browser, d, API_KEY)
     st = d.status()
     wait_for(lambda: all(row(browser, "processes", "component", c.component) for c in st.children), 20,
@@ -153,7 +156,8 @@ def test_a_key_is_needed_and_the_page_renders_every_model_and_process(d, browser
     cookie = session_cookie(browser)
     assert post_action(d, cookie, None, "restart", "other") == 403
     assert post_action(d, None, None, "restart", "other") == 403
-    assert http(d, "GET", "/ui/stream?log=gateway:0", headers={"Cookie": cookie}, key=None).status == 403
+    assert http(d, "GET", "/ui/stream?log=gateway:0", headers={"Cookie": cookie, **SAME_ORIGIN},
+                key=None).status == 403
 
 
 def test_an_admin_session_has_buttons_that_work(d, browser):

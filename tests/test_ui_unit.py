@@ -42,9 +42,10 @@ def test_a_session_opens_what_its_key_opens_while_the_key_is_configured():
 
 
 async def fetch(h, method: str, path: str, cookie: str | None = None, **kw):
-    headers = kw.pop("headers", {})
+    """As the page's own script: its browser says Sec-Fetch-Site: same-origin (issue 53)."""
+    headers = {"Sec-Fetch-Site": "same-origin", **kw.pop("headers", {})}
     if cookie:
-        headers["Cookie"] = f"{h.gw.ui.cookie}={cookie}"
+        headers["Cookie"] = f"{h.gw.ui.cookie}_{h.port}={cookie}"
     async with aiohttp.ClientSession() as session:
         async with session.request(method, h.url + path, headers=headers, allow_redirects=False, **kw) as r:
             return r.status, dict(r.headers), await r.text(), r.cookies
@@ -60,7 +61,7 @@ def test_the_page_needs_a_key_when_the_api_does_and_login_sets_a_strict_cookie()
         assert status == 401 and "not one this server accepts" in text
         status, headers, _, cookies = await fetch(h, "POST", "/ui/login", data={"key": API})
         assert status == 303 and headers["Location"] == "/ui"
-        morsel = cookies[h.gw.ui.cookie]
+        morsel = cookies[f"{h.gw.ui.cookie}_{h.port}"]
         assert h.gw.ui.cookie.startswith(COOKIE + "_")  # the daemon's own: two on one host keep theirs
         assert morsel["httponly"] and morsel["samesite"] == "Strict" and morsel["path"] == "/ui"
         status, _, text, _ = await fetch(h, "GET", "/ui", cookie=morsel.value)
@@ -74,17 +75,17 @@ def test_the_page_needs_a_key_when_the_api_does_and_login_sets_a_strict_cookie()
 
 def test_buttons_and_logs_need_an_admin_session_and_its_csrf_token():
     async def scenario(h):
-        sessions = h.gw.ui.sessions
-        api = sessions.issue(Access.API, fingerprint(API), time.time())
-        admin = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time())
+        sessions, port = h.gw.ui.sessions, str(h.port)
+        api = sessions.issue(Access.API, fingerprint(API), time.time(), port)
+        admin = sessions.issue(Access.ADMIN, fingerprint(ADMIN), time.time(), port)
         body = {"verb": "restart", "model": "m"}
         assert (await fetch(h, "POST", "/ui/action", api, json=body,
-                            headers={"X-CSRF-Token": sessions.csrf(api)}))[0] == 403
+                            headers={"X-CSRF-Token": sessions.csrf(api, port)}))[0] == 403
         assert (await fetch(h, "POST", "/ui/action", admin, json=body))[0] == 403  # no token
         assert (await fetch(h, "POST", "/ui/action", admin, json=body,
-                            headers={"X-CSRF-Token": sessions.csrf(api)}))[0] == 403  # another session's
+                            headers={"X-CSRF-Token": sessions.csrf(api, port)}))[0] == 403  # another session's
         assert (await fetch(h, "POST", "/ui/action", admin, json={"verb": "rm", "model": "m"},
-                            headers={"X-CSRF-Token": sessions.csrf(admin)}))[0] == 400
+                            headers={"X-CSRF-Token": sessions.csrf(admin, port)}))[0] == 400
         assert (await fetch(h, "GET", "/ui/stream?log=gateway:0", api))[0] == 403
     run(scenario, api_keys=[API], admin_keys=[ADMIN])
 

@@ -135,6 +135,11 @@ PINS = [
     Pin("GPUModelRunner.model_memory_usage", "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
         "engine_core/footprint.py vllm_device_figure: the weights, when kv_cache_memory_bytes skips profiling",
         attr="model_memory_usage"),
+    # engine_core/media.py ClosedMediaConnector: vLLM's one domain check before an http(s) fetch.
+    *(Pin(f"MediaConnector.{name}", f"vllm.multimodal.media.connector:MediaConnector.{name}",
+          "engine_core/media.py ClosedMediaConnector overrides _assert_url_in_allowed_media_domains, which these "
+          "must call before every http(s) fetch")
+      for name in ("_assert_url_in_allowed_media_domains", "load_from_url", "load_from_url_async")),
 ]
 
 

@@ -246,6 +246,7 @@ class LoraDone(_Msg, tag="lora_done"):
     status: int = 200
     message: str = ""
     loras: list[LoraModule] = []
+    files: bool = False  # refused reading the adapter's path: an HTTP caller is told no more (issue 53)
 
 
 ControlIn = Union[ChildReady, GroupFrozen, GroupHung, GroupDrained, GroupIdle, GroupReleased, EngineFailed,
