@@ -33,6 +33,7 @@ from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError
 from api_gateway.bodies import read_body
 from api_gateway.logfields import escape
 from api_gateway.generate import Generator
+from api_gateway.input_bounds import check_input
 from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import Access, KeyRing, bearer_token
@@ -305,7 +306,14 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req, forward = await self.read_json(request, "chat")
         check_messages(req.messages)
+        self.check_chat_input(req.model, forward)
         return await self.serve(request, req, forward, None, chat=True)
+
+    def check_chat_input(self, model: str | None, forward: dict) -> None:
+        """Messages the model's context cannot hold, or too many of them: a 400 before the engine
+        renders them with the chat template on its only thread (api_gateway/input_bounds.py)."""
+        link = self.link_for(self.model_for(model))
+        check_input("chat", forward, link.max_model_len, link.max_prompt_chars, self.cfg.max_input_items)
 
     # ---- admission --------------------------------------------------------------------------
     async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
@@ -376,6 +384,7 @@ class Gateway:
             raise HttpError(400, "send either `prompt` or `messages`", param="prompt")
         if req.messages is not None:
             check_messages(req.messages)
+            self.check_chat_input(req.model, forward)
         return await self.ask_tokenizer(request, req.model, "tokenize", forward)
 
     async def detokenize(self, request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""Pure: how much engine work a pooling, Responses or Messages body asks for, and its bounds.
+"""Pure: how much engine work a pooling, Responses, Messages or chat body asks for, and its bounds.
 
 The engine renders a request's inputs on its only thread (security issue 53): a
 pooling request of 200,000 inputs or a Responses input of 118,000 items held it
@@ -9,7 +9,7 @@ engine sees it:
   image, query, document or item is one engine request there, so it counts as
   one for admission (the model's queue cap) and for ``max_sequences_per_request``,
   like a completion's prompts;
-- a Responses input's or a Messages request's items and characters
+- a Responses input's, a Messages request's or a chat's (and a chat `/tokenize`'s) items and characters
   (``check_input``): at most ``max_input_items`` items, and no more of either
   than the model's context can hold — an item renders to a token at least, and
   its text to a token per ``max_chars_per_token`` characters at least (vLLM's
@@ -28,7 +28,7 @@ from api_gateway.errors import HttpError
 POOLING_PROMPT_FIELDS = ("input", "texts", "images", "inputs", "text_1", "text_2", "data_1", "data_2",
                          "queries", "documents", "items", "query")
 # What each API's renderer turns into the prompt.
-INPUT_FIELDS = {"responses": ("input", "instructions"), "messages": ("messages", "system")}
+INPUT_FIELDS = {"responses": ("input", "instructions"), "messages": ("messages", "system"), "chat": ("messages",)}
 
 
 def _prompts(value: Any) -> int:
@@ -90,5 +90,8 @@ def check_input(kind: str, body: dict[str, Any], max_model_len: int | None, max_
         raise HttpError(400, f"`{param}` has {items} items; at most {limit}{why}", param=param,
                         code="too_many_items")
     if max_prompt_chars and chars > max_prompt_chars:
-        raise HttpError(400, f"`{param}` has {chars} characters; the model's context ({max_model_len} tokens) "
-                             f"holds at most {max_prompt_chars}", param=param, code="input_too_long")
+        # In vLLM's words for a prompt too long in characters (clients match on them).
+        raise HttpError(400, f"This model's maximum context length is {max_model_len} tokens. However, `{param}` "
+                             f"contains {chars} characters (more than {max_prompt_chars} characters, the upper "
+                             "bound for its input tokens). Please reduce the length of the input.",
+                        param=param, code="input_too_long")

@@ -242,16 +242,18 @@ class UiRoutes:
             raise HttpError(503, refusal, "service_unavailable", code="too_many_streams", headers={"Retry-After": "5"})
         resp = web.StreamResponse(headers={**SECURITY_HEADERS, "Content-Type": "text/event-stream",
                                            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
         issued = token.split(".")[2] if token.count(".") == 4 else ""
         expires = int(issued) + self.sessions.ttl_s if issued.isdigit() else float("inf")
         page = Page(admin, wanted, token, expires, remote)
         page.scope = self.port(request)
+        # Joined before the first await, so streams that arrive together are counted against the cap
+        # together (the check above and the join are one step of the event loop).
         self.hub.join(page, sse("hello", {
             "admin": admin, "signed_in": access is not Access.NONE,
             "csrf": self.sessions.csrf(token, self.port(request)) if admin else None,
             "admin_keys": self.g.keys.admin_enabled, "log": wanted}))
         try:
+            await resp.prepare(request)
             while not page.closed:
                 try:
                     # event-proof: a write's bound: a page that reads nothing is closed, not waited on.

@@ -582,6 +582,8 @@ class EngineGroup:
         self._enter(S.REMOVED)
 
     async def restart(self, drain_timeout_s: float, grace_s: float) -> None:
+        if self.state is S.REMOVED:
+            return  # unloaded: a removed group never starts again (its name may be a new group's)
         await self.drain(drain_timeout_s)
         await self.stop(grace_s, keep_standbys=True)  # same configuration: the standbys fit
         self.policy.reset()

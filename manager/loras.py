@@ -15,6 +15,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
+import msgspec
+
 from servectl import config as C
 from servectl.wire import control as P
 from servectl.wire.vocab import ModelState
@@ -88,7 +90,11 @@ def lora_target(models: list[Candidate], model: str | None, adapter: str, loadin
 
 def outside_roots(path: str, roots: list[str]) -> bool:
     """Whether ``path``, its links resolved, is not inside one of ``roots`` (pure but for realpath:
-    what it says of a path is the same whether the path exists or not)."""
+    what it says of a path is the same whether the path exists or not). Only an absolute path can
+    be inside: a relative one would be resolved against the manager's working directory, and vLLM
+    reads ``~user/...`` as a home directory and an unknown relative path as a hub repository."""
+    if not os.path.isabs(path) or "\0" in path:
+        return True
     real = os.path.realpath(path)
     return not any(os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root)
                    for root in roots if os.path.isabs(root))
@@ -123,9 +129,11 @@ async def change(groups: dict[str, "EngineGroup"], msg: P.LoadLora | P.UnloadLor
     adapter = msg.lora.name if loading else msg.name
     http = loading and msg.http is not None
     if http and outside_roots(msg.lora.path, roots or []):
-        return P.LoraReply(ok=False, status=400, message="lora_path is not inside a directory the configuration "
-                           "allows ([manager] lora_roots)" if roots else "loading LoRA adapters over HTTP is off "
-                           "(no [manager] lora_roots configured)")
+        return P.LoraReply(ok=False, status=400, message="lora_path is not an absolute path inside a directory the "
+                           "configuration allows ([manager] lora_roots)" if roots else "loading LoRA adapters over "
+                           "HTTP is off (no [manager] lora_roots configured)")
+    if http:  # the engine reads the path that was checked, not one a link swapped since
+        msg = msgspec.structs.replace(msg, lora=msgspec.structs.replace(msg.lora, path=os.path.realpath(msg.lora.path)))
     target = lora_target(candidates(groups), msg.model, adapter, loading, reserved, frozenset(pending))
     if isinstance(target, Refusal):
         # the reply carries a model's adapters only when it names one

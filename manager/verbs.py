@@ -194,6 +194,8 @@ class ModelVerbs:
         if not targets:
             return Outcome(False, self.no_model(name or ""))
         for group in targets:
+            if s.groups.get(group.name) is not group:
+                continue  # unloaded (or replaced by a reload) while the ones before it restarted
             await group.restart(s.settings.drain_timeout_s, s.settings.stop_grace_s)
             # Serving again before the next goes (bounded by its start's hold timeout).
             await s.state_in(group, AT_REST, s.hold_s(group.model_cfg))

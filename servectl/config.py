@@ -380,6 +380,9 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
         check_budget(cfg.manager.memory_budget)
     except ValueError as exc:
         raise ConfigError(f"config error{where}: manager.{exc}") from None
+    relative = [r for r in cfg.manager.lora_roots if not os.path.isabs(r)]
+    if relative:
+        raise ConfigError(f"config error{where}: manager.lora_roots: {relative[0]!r} is not an absolute path")
     gw = cfg.gateway
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
     gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)

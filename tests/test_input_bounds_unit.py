@@ -92,6 +92,15 @@ def test_a_responses_input_past_the_limits_never_reaches_the_engine():
         assert status == 400 and body["error"]["code"] == "input_too_long", body
         status, body = await h.post("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [item] * 11})
         assert status == 400 and body["error"]["type"], body
+        # A chat's messages (and a chat /tokenize's) are rendered by the same template: bounded alike.
+        chat = [{"role": "user", "content": ""}] * 11
+        status, body = await h.post("/v1/chat/completions", {"model": "m", "messages": chat})
+        assert status == 400 and body["error"]["code"] == "too_many_items", body
+        status, body = await h.post("/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": "x" * 1001}], "stream": True})
+        assert status == 400 and body["error"]["code"] == "input_too_long", body
+        status, body = await h.post("/tokenize", {"model": "m", "messages": chat})
+        assert status == 400 and body["error"]["code"] == "too_many_items", body
         assert h.model.admitted == 0
         with pytest.raises(asyncio.TimeoutError):
             await h.engine.recv(timeout=0.3)  # nothing was sent

@@ -26,15 +26,26 @@ from conftest import ROOT, http
 PRODUCT = ("servectl", "manager", "engine_core", "api_gateway")  # the packages a wheel ships
 
 
-def product_files() -> list[str]:
-    """The product files of the checkout: tracked and untracked-but-not-ignored files under the
-    four packages (what a commit would ship), as paths relative to the root."""
+NOT_SOURCE = ("__pycache__", ".git", "build", "dist", ".pytest_cache", ".hypothesis")
+
+
+def checkout_files(*under: str) -> list[str]:
+    """The checkout's files (under ``under``, if given), as paths relative to the root: tracked and
+    untracked-but-not-ignored ones (what a commit would ship); without git (an unpacked sdist),
+    every file but caches and build output."""
     if (ROOT / ".git").exists() and shutil.which("git"):
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *PRODUCT],
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *under],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
         return sorted(f for f in out.splitlines() if (ROOT / f).is_file())
-    return sorted(str(p.relative_to(ROOT)) for pkg in PRODUCT for p in (ROOT / pkg).rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts)
+    tops = [ROOT / u for u in under] or [ROOT]
+    return sorted(str(p.relative_to(ROOT)) for top in tops for p in top.rglob("*")
+                  if p.is_file() and not any(part in NOT_SOURCE or part.endswith(".egg-info")
+                                             for part in p.relative_to(ROOT).parts))
+
+
+def product_files() -> list[str]:
+    """The product files of the checkout: the four packages' files."""
+    return checkout_files(*PRODUCT)
 
 
 def wheel_files(wheel: Path) -> dict[str, str]:
@@ -48,17 +59,14 @@ def wheel_files(wheel: Path) -> dict[str, str]:
 def built(tmp_path_factory) -> dict[str, Path]:
     """The sdist, the wheel built from it, and a wheel built straight from the tree.
 
-    Built from a copy of the checkout's files (what `git ls-files` shows, untracked ones too), so a
+    Built from a copy of the checkout's files (``checkout_files``: untracked ones too), so a
     stale build/ or egg-info in the checkout cannot slip into the wheel; with this environment's
     setuptools (no download)."""
     tmp = tmp_path_factory.mktemp("build")
     src = tmp / "src"
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    for rel in out.splitlines():
-        if (ROOT / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
+    for rel in checkout_files():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
     build = [sys.executable, "-m", "build", "--no-isolation"]
     # `build` with no format: the sdist, then the wheel built from that sdist (as pip does from PyPI).
     proc = subprocess.run([*build, "--outdir", str(tmp / "dist"), str(src)], capture_output=True, text=True,

@@ -7,6 +7,7 @@ No daemon; no vLLM or torch.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -157,6 +158,15 @@ def test_outside_roots_resolves_links_and_parents(tmp_path):
     for path in ("/etc", str(root / "out"), str(root / ".." / "x"), str(tmp_path / "adapters-2"), "org/hub-id"):
         assert outside_roots(path, roots), path
     assert outside_roots(str(root / "sql"), []) and outside_roots(str(root / "sql"), ["relative"])
+    # Relative paths (resolved against the manager's directory; `~` a home; a hub id) and a NUL
+    # byte are outside whatever the working directory: never an exception, never a way in.
+    cwd = os.getcwd()
+    try:
+        os.chdir(root)
+        for path in ("sql", "~root/x", "~/x", "org/repo", str(root / "sql") + "\0x", "./sql"):
+            assert outside_roots(path, roots), path
+    finally:
+        os.chdir(cwd)
 
 
 class FakeGroup:
@@ -220,6 +230,9 @@ def test_lora_roots_is_a_manager_setting(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[manager]\nlora_roots = ["/srv/adapters"]\n')
     assert C.load_config(path)[0].manager.lora_roots == ["/srv/adapters"]
+    path.write_text('[manager]\nlora_roots = ["adapters"]\n')
+    with pytest.raises(C.ConfigError, match="lora_roots: 'adapters' is not an absolute path"):
+        C.load_config(path)
 
 
 # -- item 9: the session is the port's; actions and streams from this page only; Secure --------

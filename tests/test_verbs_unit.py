@@ -226,3 +226,21 @@ def test_an_unload_after_a_load_under_way_waits_for_it():
         assert (await unload).message == "unloaded a"
 
     run(scenario())
+
+
+def test_a_restart_of_every_model_skips_one_unloaded_meanwhile():
+    async def scenario():
+        served = Served("a", "b")
+        a, b = served.serving("a"), served.serving("b")
+        verbs = ModelVerbs(served)
+        everything = asyncio.ensure_future(verbs.restart(None, None))
+        await settle()
+        assert a.restarts == 1 and not everything.done()  # a starts again; b waits its turn
+        served.stop_gate.set()
+        assert (await verbs.unload("b", None)).message == "unloaded b"
+        a.enter(S.READY)
+        ack = await everything
+        assert ack.ok and ack.done and b.restarts == 0 and b.state is S.REMOVED  # never started again
+        assert not served.serves("b")
+
+    run(scenario())
