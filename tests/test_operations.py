@@ -140,7 +140,9 @@ def test_sd_notify_protocol(tmp_path, daemon_factory):
             proc.wait()
 
 
-MODEL = f'name = "{{name}}"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
+# hold_timeout_s: how long a reload waits for a rolled model's new group (a cold start; minutes on a
+# loaded 2-core machine, past the default 60 s).
+MODEL = f'name = "{{name}}"\nmodel = "{DEFAULT_MODEL_DIR}"\nhold_timeout_s = 300\n'
 
 
 def status_of(d, path: str, key: str | None) -> int:
