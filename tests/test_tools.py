@@ -283,10 +283,9 @@ def test_config_check_names_the_parsers(tools_daemon):
     assert "model tools: tool_call_parser: hermes" in out.stderr
     assert "model tools: engine_args.reasoning_parser: qwen3" in out.stderr
     bad = tools_daemon.config_path.with_name("bad.toml")
-    bad.write_text(tools_daemon.config_path.read_text().replace('tool_call_parser = "hermes"\n[models.engine_args]\n'
-                                                                'dtype = "float32"\nreasoning_parser',
-                                                                'tool_call_parser = "nope"\n[models.engine_args]\n'
-                                                                'dtype = "float32"\nreasoning_parser', 1))
+    text = tools_daemon.config_path.read_text()
+    bad.write_text(text.replace('tool_call_parser = "hermes"', 'tool_call_parser = "nope"', 1))  # model `tools`'s
+    assert bad.read_text() != text
     out = check(bad)
     assert out.returncode != 0 and "'nope' is not registered" in out.stderr and "hermes" in out.stderr, out.stderr
 
