@@ -208,3 +208,88 @@ def test_cli_manager_and_gateway_load_no_vllm_or_torch():
     assert {"servectl.cli", "servectl.wire.spawn", "manager.children", "api_gateway.engines"} <= set(
         result["imported"])
     assert result["heavy"] == [], f"loaded with the CLI/manager/gateway modules: {result['heavy'][:10]}"
+
+
+# ---- no circle of imports inside a folder ----------------------------------------------
+# A circle inside a folder means two files that each need the other: a child that
+# knows its parent. Every import counts (inside functions and under TYPE_CHECKING
+# too); circles between folders are the boundary tests' business above.
+
+PRODUCT = ("servectl", "manager", "engine_core", "api_gateway")
+
+
+def module_files() -> dict[str, Path]:
+    return {module_name(path): path for package in PRODUCT for path in sources(package)}
+
+
+def folder_edges(files: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of its own folder it imports (a package's __init__ is in its folder)."""
+    edges: dict[str, set[str]] = {}
+    for module, path in files.items():
+        here = path.parent
+        names = imports_of(path)
+        # `from pkg import module` imports pkg only because Python imports a parent
+        # first: the edge is to the module, not to pkg's __init__
+        names -= {name for name in names if any(other.startswith(name + ".") for other in names & files.keys())}
+        edges[module] = {name for name in names
+                         if name in files and name != module and files[name].parent == here}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected parts of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    part.append(member)
+                    if member == node:
+                        break
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_and_nothing_else():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(edges) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_circle_finder_sees_an_import_inside_a_function():
+    source = "def later():\n    from manager import daemon\n"
+    assert "manager.daemon" in imports_of_source(source, "manager.control")
+
+
+def test_no_circle_of_imports_inside_any_folder():
+    found = circles(folder_edges(module_files()))
+    assert found == [], "files of one folder that import each other (hand the child an interface): " \
+        + "; ".join(" <-> ".join(part) for part in found)
