@@ -88,6 +88,7 @@ def test_a_key_in_both_lists_is_an_admin_key():
     assert KeyRing(["k"], ["k"]).access(b"k") is Access.ADMIN
 
 
+@pytest.mark.deep
 @given(st.binary(min_size=1, max_size=64))
 def test_a_fingerprint_is_short_stable_and_never_the_key(key):
     fp = fingerprint(key)
