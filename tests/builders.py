@@ -6,7 +6,11 @@ One home for each builder, so a change of a message's fields is made once.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
+import pytest
+
+from servectl import config as C
 from servectl.wire import engine as EP
 
 
@@ -26,3 +30,22 @@ def delta(text: str = "", tokens: Iterable[int] = (), finish: str | None = None,
     return EP.Delta(request_id=rid, index=index, text=text, token_ids=list(tokens), finish_reason=finish,
                     stop_reason=stop_reason, prompt=prompt, message=message, reasoning_tokens=reasoning_tokens,
                     logprobs=logprobs)
+
+
+def config_file(tmp_path: Path, text: str) -> Path:
+    """``text`` as a config file (servectl.toml) in ``tmp_path``."""
+    path = tmp_path / "servectl.toml"
+    path.write_text(text)
+    return path
+
+
+def config_from(tmp_path: Path, text: str) -> C.Config:
+    """The config ``text`` loads to (as a file, as the CLI reads it)."""
+    return C.load_config(config_file(tmp_path, text))[0]
+
+
+def config_error(tmp_path: Path, text: str) -> str:
+    """The error the config ``text`` is refused with (it must be refused)."""
+    with pytest.raises(C.ConfigError) as exc:
+        config_from(tmp_path, text)
+    return str(exc.value)
