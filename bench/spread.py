@@ -38,9 +38,9 @@ def spreads(rounds: Iterable, figures: Iterable[str], pick: Callable[[Any, str],
     return {f: spread(vals) for f in figures if (vals := [v for r in rounds if (v := pick(r, f)) is not None])}
 
 
-def cell(s: dict) -> str:
+def cell(s: dict, dash: str = "–") -> str:
     """A spread as a table cell: ``median [min–max]``."""
-    return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}]"
+    return f"{s['median']:.1f} [{s['min']:.1f}{dash}{s['max']:.1f}]"
 
 
 def ratio_row(*labels: str, a: dict, b: dict) -> str:
