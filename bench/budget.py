@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from bench import run as B
 from bench.idle_release import PROMPT, IdleDaemon
+from bench.spread import alternate, spread
 from servectl.config import DEFAULT_MODEL_DIR
 
 
@@ -80,19 +80,15 @@ def one_round(warm: bool, idle_s: float) -> dict:
         d.stop()
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
-
-
 def summarize(rounds: dict[str, list[dict]]) -> dict:
     out = {}
     for side, rs in rounds.items():
         out[side] = {
-            "first_token_s": spread([r["first_token_s"] for r in rs]),
-            "models_rss_before_mib": spread([r["held_before"]["models_rss"] / 2**20 for r in rs]),
-            "models_rss_after_mib": spread([r["held_after"]["models_rss"] / 2**20 for r in rs]),
-            "standbys_rss_mib": spread([r["held_after"]["standbys_rss"] / 2**20 for r in rs]),
-            "idle_context_switches_per_s": spread([r["idle_context_switches_per_s"] for r in rs]),
+            "first_token_s": spread([r["first_token_s"] for r in rs], 3),
+            "models_rss_before_mib": spread([r["held_before"]["models_rss"] / 2**20 for r in rs], 3),
+            "models_rss_after_mib": spread([r["held_after"]["models_rss"] / 2**20 for r in rs], 3),
+            "standbys_rss_mib": spread([r["held_after"]["standbys_rss"] / 2**20 for r in rs], 3),
+            "idle_context_switches_per_s": spread([r["idle_context_switches_per_s"] for r in rs], 3),
         }
     return out
 
@@ -117,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--out", type=Path, help="write <out>.json and <out>.md")
     p = ap.parse_args(argv)
-    rounds: dict[str, list[dict]] = {"warm": [], "cold": []}
-    for i in range(p.rounds):  # alternating: warm, cold, warm, ...
-        for side in (("warm", "cold") if i % 2 == 0 else ("cold", "warm")):
-            r = one_round(side == "warm", p.idle_s)
-            print(f"round {i + 1} {side}: {json.dumps(r)}", flush=True)
-            rounds[side].append(r)
+    def run(i: int, side: str) -> dict:
+        r = one_round(side == "warm", p.idle_s)
+        print(f"round {i + 1} {side}: {json.dumps(r)}", flush=True)
+        return r
+
+    rounds = alternate(p.rounds, ("warm", "cold"), run, swap=True)  # warm, cold; cold, warm; ...
     res = {"machine": B.machine(), "rounds": p.rounds, "raw": rounds, "summary": summarize(rounds)}
     print(markdown(res))
     if p.out:

@@ -27,13 +27,14 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import statistics
 import struct
 import tempfile
 import time
 from pathlib import Path
 
 import zmq
+
+from bench.spread import alternate, cell, spreads
 
 SPIN_S = 0.002
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -172,16 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     loads = [mp.get_context("spawn").Process(target=_load, daemon=True) for _ in range(args.load)]
     for p in loads:
         p.start()
-    runs: dict[str, list[dict[str, float]]] = {w: [] for w in WAYS}
     try:
         with tempfile.TemporaryDirectory(prefix="hop-rtt-") as workdir:
-            for r in range(args.rounds):
-                for way in WAYS:
-                    times = sorted(one_run(way, args.n, payload, workdir))
-                    cell = {"p50_us": times[len(times) // 2] * 1e6, "p90_us": times[int(len(times) * 0.9)] * 1e6}
-                    runs[way].append(cell)
-                    print(f"round {r + 1} {way:10s} p50 {cell['p50_us']:8.1f} µs  p90 {cell['p90_us']:8.1f} µs",
-                          flush=True)
+            def run(r: int, way: str) -> dict[str, float]:
+                times = sorted(one_run(way, args.n, payload, workdir))
+                cell = {"p50_us": times[len(times) // 2] * 1e6, "p90_us": times[int(len(times) * 0.9)] * 1e6}
+                print(f"round {r + 1} {way:10s} p50 {cell['p50_us']:8.1f} µs  p90 {cell['p90_us']:8.1f} µs",
+                      flush=True)
+                return cell
+
+            runs = alternate(args.rounds, tuple(WAYS), run)
     finally:
         for p in loads:
             p.kill()
@@ -196,10 +197,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{' '.join(f'{x:.1f}' for x in result['loadavg'])}. Median of the runs, [min – max].", "",
              "| transport | round trip p50 µs | p90 µs |", "|---|---|---|"]
     for way, cells in runs.items():
-        p50 = [c["p50_us"] for c in cells]
-        p90 = [c["p90_us"] for c in cells]
-        lines.append(f"| {way} | {statistics.median(p50):.1f} [{min(p50):.1f} – {max(p50):.1f}] "
-                     f"| {statistics.median(p90):.1f} [{min(p90):.1f} – {max(p90):.1f}] |")
+        figures = spreads(cells, ("p50_us", "p90_us"), lambda c, f: c[f])
+        lines.append(f"| {way} | {cell(figures['p50_us'], ' – ')} | {cell(figures['p90_us'], ' – ')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

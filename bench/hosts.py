@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import run as B
+from bench.spread import spread
 from servectl.config import DEFAULT_MODEL_DIR
 
 sys.path.insert(0, str(B.ROOT / "tests"))
@@ -126,8 +126,7 @@ def one_round(n: int, workdir: Path) -> dict:
 def summary(rounds: list[dict]) -> dict:
     out = {}
     for key in ("prefix_follow", "lost_streaming", "lost_other", "longest_gap_s", "router_dropped_s", "requests"):
-        values = [r[key] for r in rounds if r[key] is not None]
-        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        out[key] = spread(r[key] for r in rounds if r[key] is not None)
     return out
 
 

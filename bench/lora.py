@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench.run import (DEFAULT_MODEL_DIR, DTYPE, KV_BYTES, MAX_MODEL_LEN, ROOT, Servectl, VllmServe, machine,
                        wait_completion)
+from bench.spread import alternate, ratio_row, spreads
 
 LORA_DIR = DEFAULT_MODEL_DIR.parent / "lora" / "vllm-code"
 FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", f"vllm-code={LORA_DIR}")
@@ -94,32 +95,32 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in p.concurrency.split(",")]
     if p.smoke:
         p.rounds, concurrency, p.tokens, p.streams = 1, [1], 8, 1
-    raw: dict[str, list[dict]] = {"servectl": [], "vllm serve": []}
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         work = Path(tmp)
-        for i in range(p.rounds):
-            for name in ("servectl", "vllm serve") if i % 2 == 0 else ("vllm serve", "servectl"):
-                server = (VllmServe(work, flags=FLAGS, max_model_len=MAX_MODEL_LEN) if name == "vllm serve"
-                          else ServectlLora(work, label=f"lora-{i}", warm_standby=False))
-                server.start()
-                try:
-                    if wait_completion(server.base, server.proc, 900) is None:
-                        raise SystemExit(f"{name} did not start")
-                    for model in ("default", "vllm-code"):  # warm-up: both paths compiled, the adapter loaded
-                        asyncio.run(streams(server.base, model, 2, 2, 16))
-                    order = ("default", "vllm-code") if i % 2 == 0 else ("vllm-code", "default")
-                    result = {str(c): {m: asyncio.run(streams(server.base, m, c, max(p.streams, c), p.tokens))
-                                       for m in order} for c in concurrency}
-                finally:
-                    server.stop()
-                raw[name].append(result)
-                print(f"round {i + 1} {name}: " + "; ".join(
-                    f"c={c} " + ", ".join(f"{m} {r['decode_tok_s'] or 0:.0f} tok/s/stream" for m, r in res.items())
-                    for c, res in result.items()), flush=True)
+
+        def one_round(i: int, name: str) -> dict:
+            server = (VllmServe(work, flags=FLAGS, max_model_len=MAX_MODEL_LEN) if name == "vllm serve"
+                      else ServectlLora(work, label=f"lora-{i}", warm_standby=False))
+            server.start()
+            try:
+                if wait_completion(server.base, server.proc, 900) is None:
+                    raise SystemExit(f"{name} did not start")
+                for model in ("default", "vllm-code"):  # warm-up: both paths compiled, the adapter loaded
+                    asyncio.run(streams(server.base, model, 2, 2, 16))
+                order = ("default", "vllm-code") if i % 2 == 0 else ("vllm-code", "default")
+                result = {str(c): {m: asyncio.run(streams(server.base, m, c, max(p.streams, c), p.tokens))
+                                   for m in order} for c in concurrency}
+            finally:
+                server.stop()
+            print(f"round {i + 1} {name}: " + "; ".join(
+                f"c={c} " + ", ".join(f"{m} {r['decode_tok_s'] or 0:.0f} tok/s/stream" for m, r in res.items())
+                for c, res in result.items()), flush=True)
+            return result
+
+        raw = alternate(p.rounds, ("servectl", "vllm serve"), one_round, swap=True)
     figures = ("decode_tok_s", "output_tok_s")
-    summary = {name: {c: {m: {f: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                              for f in figures if (v := [r[c][m][f] for r in rs if r[c][m][f] is not None])}
-                          for m in ("default", "vllm-code")} for c in rs[0]} for name, rs in raw.items()}
+    summary = {name: {c: {m: spreads(rs, figures, lambda r, f: r[c][m][f]) for m in ("default", "vllm-code")}
+                      for c in rs[0]} for name, rs in raw.items()}
     date = time.strftime("%Y-%m-%d")
     res = {"date": date, "rounds": p.rounds, "tokens": p.tokens, "machine": machine(), "raw": raw,
            "summary": summary}
@@ -132,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             for f in figures:
                 a, b = by_model["default"].get(f), by_model["vllm-code"].get(f)
                 if a and b:
-                    lines.append(f"| {name} | c={c} | {f} | {a['median']:.1f} [{a['min']:.1f}–{a['max']:.1f}] | "
-                                 f"{b['median']:.1f} [{b['min']:.1f}–{b['max']:.1f}] | "
-                                 f"{b['median'] / a['median']:.2f}× |")
+                    lines.append(ratio_row(name, f"c={c}", f, a=a, b=b))
     lines += ["", "decode_tok_s is the median stream's; a round where the client read a whole stream in one "
               "burst (its process descheduled while the server ran) shows as an extreme maximum. output_tok_s "
               "(every stream's tokens over the cell's time) has no such artefact."]

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.run import DEFAULT_MODEL_DIR, DTYPE, KV_BYTES, ROOT, Servectl, VllmServe, machine
+from bench.spread import alternate, ratio_row, spreads
 
 FLAGS = ("--runner", "pooling", "--convert", "embed")
 
@@ -100,28 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in p.concurrency.split(",")]
     if p.smoke:
         p.rounds, concurrency, p.requests = 1, [2], 4
-    rounds: dict[str, list[dict]] = {"vllm serve": [], "servectl": []}
     with tempfile.TemporaryDirectory(prefix="bench-pooling-") as tmp:
         work = Path(tmp)
-        for i in range(p.rounds):
-            for name in ("vllm serve", "servectl"):
-                server = (VllmServe(work, served="default", flags=FLAGS, max_model_len=512) if name == "vllm serve"
-                          else ServectlEmbed(work, label=f"pooling-{i}"))
-                server.start()
-                try:
-                    if not wait_ready(server.base, server.proc, 900):
-                        raise SystemExit(f"{name} did not start")
-                    asyncio.run(load(server.base, 4, 16, p.batch))  # warm-up
-                    result = {str(c): asyncio.run(load(server.base, c, p.requests, p.batch)) for c in concurrency}
-                finally:
-                    server.stop()
-                rounds[name].append(result)
-                print(f"round {i + 1} {name}: " + ", ".join(
-                    f"c={c} {r['inputs_per_s']:.0f} inputs/s ({r['failed']} failed)" for c, r in result.items()),
-                    flush=True)
-    summary = {name: {c: {f: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                          for f in ("inputs_per_s", "median_latency_ms")
-                          if (v := [r[c][f] for r in rs if r[c][f] is not None])}
+
+        def one_round(i: int, name: str) -> dict:
+            server = (VllmServe(work, served="default", flags=FLAGS, max_model_len=512) if name == "vllm serve"
+                      else ServectlEmbed(work, label=f"pooling-{i}"))
+            server.start()
+            try:
+                if not wait_ready(server.base, server.proc, 900):
+                    raise SystemExit(f"{name} did not start")
+                asyncio.run(load(server.base, 4, 16, p.batch))  # warm-up
+                result = {str(c): asyncio.run(load(server.base, c, p.requests, p.batch)) for c in concurrency}
+            finally:
+                server.stop()
+            print(f"round {i + 1} {name}: " + ", ".join(
+                f"c={c} {r['inputs_per_s']:.0f} inputs/s ({r['failed']} failed)" for c, r in result.items()),
+                flush=True)
+            return result
+
+        rounds = alternate(p.rounds, ("vllm serve", "servectl"), one_round)
+    summary = {name: {c: spreads(rs, ("inputs_per_s", "median_latency_ms"), lambda r, f: r[c][f])
                       for c in rs[0]} for name, rs in rounds.items()}
     date = time.strftime("%Y-%m-%d")
     res = {"date": date, "rounds": p.rounds, "batch": p.batch, "machine": machine(), "raw": rounds,
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in ("inputs_per_s", "median_latency_ms"):
             a, b = summary["vllm serve"][c].get(f), summary["servectl"][c].get(f)
             if a and b:
-                lines.append(f"| c={c} | {f} | {a['median']:.1f} [{a['min']:.1f}–{a['max']:.1f}] | "
-                             f"{b['median']:.1f} [{b['min']:.1f}–{b['max']:.1f}] | {b['median'] / a['median']:.2f}× |")
+                lines.append(ratio_row(f"c={c}", f, a=a, b=b))
     md = "\n".join(lines) + "\n"
     print(md)
     if p.smoke:

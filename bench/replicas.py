@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from bench.idle_release import IdleDaemon
 from bench.resume import Stream
+from bench.spread import spread
 from servectl.config import DEFAULT_MODEL_DIR
 
 PROMPTS = ["def ", "import ", "class ", "for ", "x = ", "return ", "if ", "with "]
@@ -124,10 +124,6 @@ def reload_round() -> dict:
                 "longest_gap_s": round(max(gaps), 3) if gaps else None}
     finally:
         d.stop()
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.run import ROOT, Servectl, VllmServe, machine, non_stream_load, vllm_bench, wait_completion
+from bench.spread import spread
 
 # ITL is the gap between two chunks the client read; TPOT a request's decode time per token
 # ((end - first token) / (tokens - 1)), which tokens handed over in pairs cannot shorten.
@@ -119,11 +120,10 @@ def summarize(rounds: list[dict]) -> dict:
         for k in FIGURES:
             vals = [r["stream"][c][k] for r in ok if r["stream"][c].get(k) is not None]
             if vals:
-                out["stream"][c][k] = {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3),
-                                       "max": round(max(vals), 3)}
+                out["stream"][c][k] = spread(vals, 3)
     vals = [r["non_stream_c16"]["tok_s"] for r in ok if "non_stream_c16" in r]
     if vals:
-        out["non_stream_c16_tok_s"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        out["non_stream_c16_tok_s"] = spread(vals)
     return out
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.run import (DTYPE, KV_BYTES, ROOT, Servectl, VllmServe, machine, sse_events,  # noqa: F401
                        wait_completion)
+from bench.spread import alternate, ratio_row, spreads
 
 TOOLS_DIR = ROOT / "servectl" / "model" / "tools"
 FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
@@ -180,9 +181,7 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
     for name, rs in rounds.items():
         out[name] = {}
         for cell in rs[0]:
-            out[name][cell] = {f: {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-                               for f in FIGURES
-                               if (vals := [r[cell][f] for r in rs if r[cell][f] is not None])}
+            out[name][cell] = spreads(rs, FIGURES, lambda r, f: r[cell][f])
     return out
 
 
@@ -198,8 +197,7 @@ def markdown(res: dict) -> str:
             a, b = s["vllm serve"][cell].get(f), s["servectl"][cell].get(f)
             if not a or not b:
                 continue
-            lines.append(f"| {cell if ' c=' in cell else 'c=' + cell} | {f} | {a['median']:.1f} [{a['min']:.1f}–{a['max']:.1f}] | "
-                         f"{b['median']:.1f} [{b['min']:.1f}–{b['max']:.1f}] | {b['median'] / a['median']:.2f}× |")
+            lines.append(ratio_row(cell if ' c=' in cell else 'c=' + cell, f, a=a, b=b))
     return "\n".join(lines) + "\n"
 
 
@@ -216,18 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     apis = p.apis.split(",")
     if p.smoke:
         p.rounds, concurrency, p.requests = 1, [2], 2
-    rounds: dict[str, list[dict]] = {"vllm serve": [], "servectl": []}
     with tempfile.TemporaryDirectory(prefix="bench-tools-") as tmp:
         work = Path(tmp)
-        for i in range(p.rounds):
-            for name in ("vllm serve", "servectl"):
-                server = (VllmServe(work, model=TOOLS_DIR, served="tools", flags=FLAGS, max_model_len=MAX_MODEL_LEN)
-                          if name == "vllm serve" else ServectlTools(work, label=f"tools-{i}"))
-                result = one_round(server, concurrency, p.requests, apis)
-                rounds[name].append(result)
-                print(f"round {i + 1} {name}: " + ", ".join(
-                    f"{c} {r['output_throughput']:.1f} tok/s ({r['failed']} failed)" for c, r in result.items()),
-                    flush=True)
+
+        def one(i: int, name: str) -> dict:
+            server = (VllmServe(work, model=TOOLS_DIR, served="tools", flags=FLAGS, max_model_len=MAX_MODEL_LEN)
+                      if name == "vllm serve" else ServectlTools(work, label=f"tools-{i}"))
+            result = one_round(server, concurrency, p.requests, apis)
+            print(f"round {i + 1} {name}: " + ", ".join(
+                f"{c} {r['output_throughput']:.1f} tok/s ({r['failed']} failed)" for c, r in result.items()),
+                flush=True)
+            return result
+
+        rounds = alternate(p.rounds, ("vllm serve", "servectl"), one)
     date = time.strftime("%Y-%m-%d")
     res = {"date": date, "rounds": p.rounds, "machine": machine(), "concurrency": concurrency, "raw": rounds,
            "summary": summarize(rounds)}

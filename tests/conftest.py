@@ -501,6 +501,64 @@ def heavy_modules() -> list[str]:
     return sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
 
 
+class _NoHeavyImports:
+    """A ``sys.meta_path`` finder that refuses vLLM and torch, as if they were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HEAVY:
+            raise ImportError(f"the unit tier imports no vLLM or torch, not even lazily: {name!r} refused by "
+                              f"tests/conftest.py (a test that needs it is marked vllm_unit, not unit)")
+        return None
+
+
+def _takes(markexpr: str, *marks: str) -> bool:
+    """Whether ``-m markexpr`` selects a test that carries exactly these marks."""
+    from _pytest.mark.expression import Expression  # pytest's own -m parser
+
+    return Expression.compile(markexpr).evaluate(lambda name, /, **kwargs: name in marks)
+
+
+def selects_unit_tier(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects unit tests only (``unit``, ``deep``, ``unit and not ...``)."""
+    return bool(markexpr) and (_takes(markexpr, "unit") or _takes(markexpr, "unit", "deep")) and not (
+        _takes(markexpr) or _takes(markexpr, "vllm_unit"))
+
+
+def unit_tests_taken(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects the unit tests that are not properties (``-m unit``)."""
+    return bool(markexpr) and _takes(markexpr, "unit")
+
+
+def pytest_configure(config):
+    """The unit tier (``-m unit``): vLLM and torch cannot be imported at all, so a unit test that
+    reaches them fails where it reaches them, and hypothesis runs the ``unit`` profile (few
+    examples, the same each run); every other run runs the properties ``deep``."""
+    if selects_unit_tier(config.option.markexpr) and not any(isinstance(f, _NoHeavyImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoHeavyImports())
+    from hypothesis import settings
+
+    settings.register_profile("unit", max_examples=20, deadline=None, derandomize=True)
+    settings.register_profile("deep", max_examples=200, deadline=None)
+    if not config.getoption("hypothesis_profile", None):  # --hypothesis-profile still wins
+        # `-m deep` alone takes no unit test that is not a property: the properties run deep.
+        settings.load_profile("unit" if unit_tests_taken(config.option.markexpr) else "deep")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The unit tier imports only the files that name the ``unit`` or ``deep`` mark: a file that
+    never does holds no unit test, and importing the end-to-end files (openai, their helpers) was
+    a sixth of the tier's time."""
+    if (collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and selects_unit_tier(config.option.markexpr)):
+        try:
+            text = collection_path.read_text()
+        except OSError:
+            return None
+        if "mark.unit" not in text and "mark.deep" not in text:
+            return True
+    return None
+
+
 def pytest_collectreport(report):
     if not _heavy_since and heavy_modules():
         _heavy_since.append(f"collecting {report.nodeid}")

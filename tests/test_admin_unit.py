@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from builders import config_error, config_from
 from api_gateway.keys import Access, KeyRing, RefusalBudget, bearer_token, fingerprint
 from manager.audit import Peer, audit_line, audit_record
 from servectl import config as C
@@ -18,24 +19,12 @@ from servectl.wire import control as P
 pytestmark = pytest.mark.unit
 
 
-def load(tmp_path, text: str) -> C.Config:
-    path = tmp_path / "servectl.toml"
-    path.write_text(text)
-    return C.load_config(path)[0]
-
-
-def load_error(tmp_path, text: str) -> str:
-    with pytest.raises(C.ConfigError) as exc:
-        load(tmp_path, text)
-    return str(exc.value)
-
-
 # ---- config ---------------------------------------------------------------------------------
 
 def test_admin_key_file_keys_join_the_listed_ones_once(tmp_path):
     keys = tmp_path / "admin.keys"
     keys.write_text("a1\na2 a1\n")
-    cfg = load(tmp_path, f"[gateway]\nadmin_keys = ['a1']\nadmin_key_file = '{keys}'\n")
+    cfg = config_from(tmp_path, f"[gateway]\nadmin_keys = ['a1']\nadmin_key_file = '{keys}'\n")
     assert cfg.gateway.admin_keys == ["a1", "a2"]
     assert cfg.gateway.api_keys == []
 
@@ -43,18 +32,18 @@ def test_admin_key_file_keys_join_the_listed_ones_once(tmp_path):
 @pytest.mark.parametrize("key, says", [("", "empty"), ("   ", "empty"), ("a b", "without spaces"),
                                        ("caf\u00e9", "printable ASCII")])
 def test_a_bad_admin_key_is_a_config_error_naming_it(tmp_path, key, says):
-    msg = load_error(tmp_path, f"[gateway]\nadmin_keys = ['ok', {json.dumps(key)}]\n")
+    msg = config_error(tmp_path, f"[gateway]\nadmin_keys = ['ok', {json.dumps(key)}]\n")
     assert "gateway.admin_keys[1]" in msg and says in msg, msg
 
 
 def test_a_missing_admin_key_file_names_the_key_and_the_file(tmp_path):
     missing = tmp_path / "nope"
-    msg = load_error(tmp_path, f"[gateway]\nadmin_key_file = '{missing}'\n")
+    msg = config_error(tmp_path, f"[gateway]\nadmin_key_file = '{missing}'\n")
     assert "gateway.admin_key_file" in msg and str(missing) in msg, msg
 
 
 def test_admin_keys_are_redacted_like_api_keys(tmp_path):
-    cfg = load(tmp_path, "[gateway]\napi_keys = ['sk-api']\nadmin_keys = ['sk-admin', 'sk-admin2']\n")
+    cfg = config_from(tmp_path, "[gateway]\napi_keys = ['sk-api']\nadmin_keys = ['sk-admin', 'sk-admin2']\n")
     shown = msgspec.json.encode(C.redacted(cfg)).decode()
     assert "sk-admin" not in shown and "sk-api" not in shown
     assert C.redacted(cfg).gateway.admin_keys == [C.REDACTED] * 2
@@ -88,6 +77,7 @@ def test_a_key_in_both_lists_is_an_admin_key():
     assert KeyRing(["k"], ["k"]).access(b"k") is Access.ADMIN
 
 
+@pytest.mark.deep
 @given(st.binary(min_size=1, max_size=64))
 def test_a_fingerprint_is_short_stable_and_never_the_key(key):
     fp = fingerprint(key)

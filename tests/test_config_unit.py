@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from builders import config_error, config_file
 from servectl import config as C
 
 pytestmark = pytest.mark.unit
@@ -17,19 +18,6 @@ pytestmark = pytest.mark.unit
 # An explicit, empty config file (no search of the working directory or /etc).
 EMPTY = "/dev/null"
 MODEL = "[[models]]\nname = '{name}'\nmodel = '/models/{name}'\n"
-
-
-def write(tmp_path, text: str):
-    path = tmp_path / "servectl.toml"
-    path.write_text(text)
-    return path
-
-
-def load_error(tmp_path, text: str) -> str:
-    path = write(tmp_path, text)
-    with pytest.raises(C.ConfigError) as exc:
-        C.load_config(path)
-    return str(exc.value)
 
 
 # ---- a good file --------------------------------------------------------------------
@@ -42,7 +30,7 @@ def test_no_file_serves_the_default_model_with_the_default_engine_args():
 
 
 def test_a_full_file_is_read_with_every_value(tmp_path):
-    path = write(tmp_path, """
+    path = config_file(tmp_path, """
 [gateway]
 host = "0.0.0.0"
 port = 0
@@ -79,12 +67,12 @@ enforce_eager = false
 
 @pytest.mark.parametrize("port", [0, 1, 65535])
 def test_port_bounds_are_accepted(tmp_path, port):
-    cfg, _ = C.load_config(write(tmp_path, f"[gateway]\nport = {port}\n"))
+    cfg, _ = C.load_config(config_file(tmp_path, f"[gateway]\nport = {port}\n"))
     assert cfg.gateway.port == port
 
 
 def test_the_effective_config_survives_the_managers_json_round_trip(tmp_path):
-    cfg, _ = C.load_config(write(tmp_path, MODEL.format(name="a") + MODEL.format(name="b")
+    cfg, _ = C.load_config(config_file(tmp_path, MODEL.format(name="a") + MODEL.format(name="b")
                                  + "[models.engine_args]\nmax_num_seqs = 2\n"))
     assert C.decode(C.encode(cfg)) == cfg
     assert C.decode(C.encode(cfg).decode()) == cfg  # str too (it travels on argv)
@@ -121,7 +109,7 @@ def test_the_effective_config_survives_the_managers_json_round_trip(tmp_path):
     (MODEL.format(name="a") + "env = { A = 1 }\n", "models[0].env", "Expected `str`, got `int`"),
 ])
 def test_bad_values_name_the_key_and_the_file(tmp_path, text, key, says):
-    msg = load_error(tmp_path, text)
+    msg = config_error(tmp_path, text)
     path = tmp_path / "servectl.toml"
     assert msg.startswith(f"config error in {path}: "), msg
     rest = msg.removeprefix(f"config error in {path}: ")
@@ -134,7 +122,7 @@ def test_bad_values_name_the_key_and_the_file(tmp_path, text, key, says):
 
 
 def test_not_toml_names_the_file(tmp_path):
-    msg = load_error(tmp_path, "not toml at all [")
+    msg = config_error(tmp_path, "not toml at all [")
     assert msg.startswith(f"config error in {tmp_path / 'servectl.toml'}: not valid TOML"), msg
 
 
@@ -149,7 +137,7 @@ def test_unreadable_file_names_the_file(tmp_path):
 
 
 def test_duplicate_model_names_are_named(tmp_path):
-    msg = load_error(tmp_path, MODEL.format(name="a") + MODEL.format(name="b") + MODEL.format(name="a")
+    msg = config_error(tmp_path, MODEL.format(name="a") + MODEL.format(name="b") + MODEL.format(name="a")
                      + MODEL.format(name="b") + MODEL.format(name="c"))
     assert msg == f"config error in {tmp_path / 'servectl.toml'}: models: duplicate name(s) ['a', 'b']"
 
@@ -159,18 +147,18 @@ def test_duplicate_model_names_are_named(tmp_path):
 def test_api_key_file_keys_join_the_listed_ones_once(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("k2\n  k3\tk1\n\nk2\n")
-    cfg, _ = C.load_config(write(tmp_path, f"[gateway]\napi_keys = ['k1']\napi_key_file = '{keys}'\n"))
+    cfg, _ = C.load_config(config_file(tmp_path, f"[gateway]\napi_keys = ['k1']\napi_key_file = '{keys}'\n"))
     assert cfg.gateway.api_keys == ["k1", "k2", "k3"]
 
 
 def test_missing_api_key_file_names_the_key_and_the_key_file(tmp_path):
     missing = tmp_path / "no-keys"
-    msg = load_error(tmp_path, f"[gateway]\napi_key_file = '{missing}'\n")
+    msg = config_error(tmp_path, f"[gateway]\napi_key_file = '{missing}'\n")
     assert "gateway.api_key_file" in msg and str(missing) in msg and "No such file or directory" in msg, msg
 
 
 def test_missing_api_key_file_names_the_config_file_too(tmp_path):
-    msg = load_error(tmp_path, f"[gateway]\napi_key_file = '{tmp_path / 'no-keys'}'\n")
+    msg = config_error(tmp_path, f"[gateway]\napi_key_file = '{tmp_path / 'no-keys'}'\n")
     assert str(tmp_path / "servectl.toml") in msg, msg
 
 
@@ -179,7 +167,7 @@ def test_missing_api_key_file_names_the_config_file_too(tmp_path):
 def test_overrides_replace_file_values_and_target_the_first_model(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("sk-opt\n")
-    path = write(tmp_path, "[gateway]\nport = 9000\nhost = '0.0.0.0'\n[manager]\nfreeze_grace_s = 5\n"
+    path = config_file(tmp_path, "[gateway]\nport = 9000\nhost = '0.0.0.0'\n[manager]\nfreeze_grace_s = 5\n"
                  + MODEL.format(name="a") + "[models.engine_args]\nmax_num_seqs = 8\ndtype = 'float32'\n"
                  + MODEL.format(name="b"))
     ov = C.Overrides(runtime_dir="/rt", state_dir="/st", host="127.0.0.2", port=0, gateways=3, freeze_grace_s=0.0,
@@ -198,7 +186,7 @@ def test_overrides_replace_file_values_and_target_the_first_model(tmp_path):
 
 
 def test_empty_overrides_change_nothing(tmp_path):
-    path = write(tmp_path, "[gateway]\nport = 9000\n" + MODEL.format(name="a"))
+    path = config_file(tmp_path, "[gateway]\nport = 9000\n" + MODEL.format(name="a"))
     assert C.effective_config(path, C.Overrides())[0] == C.load_config(path)[0]
 
 
@@ -226,7 +214,7 @@ def test_bad_options_are_named(ov, key):
 
 
 def test_an_option_that_duplicates_a_model_name_is_refused(tmp_path):
-    path = write(tmp_path, MODEL.format(name="a") + MODEL.format(name="b"))
+    path = config_file(tmp_path, MODEL.format(name="a") + MODEL.format(name="b"))
     with pytest.raises(C.ConfigError) as exc:
         C.effective_config(path, C.Overrides(name="b"))
     assert "models: duplicate name(s) ['b']" in str(exc.value)
@@ -245,5 +233,5 @@ def test_zero_processes_or_ranks_as_an_option_is_refused(ov):
 
 
 def test_a_model_name_with_a_final_newline_is_refused(tmp_path):
-    msg = load_error(tmp_path, '[[models]]\nname = "ok\\n"\nmodel = "/m"\n')
+    msg = config_error(tmp_path, '[[models]]\nname = "ok\\n"\nmodel = "/m"\n')
     assert "models[0].name" in msg

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from builders import delta
 from gateway_harness import served
 import zmq
 import zmq.asyncio
@@ -135,19 +136,12 @@ def test_chat_logprobs():
 
 # ---- the response accumulator -------------------------------------------------------------
 
-def delta(index=0, text="", tokens=(), finish=None, prompt=None, logprobs=None, stop_reason=None) -> EP.Delta:
-    if isinstance(prompt, int):
-        prompt = EP.PromptInfo(tokens=prompt)
-    return EP.Delta(request_id="r", index=index, text=text, token_ids=list(tokens), finish_reason=finish,
-                    stop_reason=stop_reason, prompt=prompt, logprobs=logprobs)
-
-
 # Two prompts, n=2: prompt 0 reports 3 prompt tokens, prompt 1 reports 2.
 TWO_BY_TWO = [
-    (0, delta(0, "a", [1], prompt=3)), (0, delta(1, "x", [2])),
-    (1, delta(0, "p", [3], prompt=2)), (1, delta(1, "q", [4])),
-    (0, delta(0, "b", [5], "stop", stop_reason="END")), (1, delta(0, "", [], "length")),
-    (0, delta(1, "y", [6, 7], "stop", stop_reason=9)), (1, delta(1, "r", [8], "stop")),
+    (0, delta("a", [1], prompt=3)), (0, delta("x", [2], index=1)),
+    (1, delta("p", [3], prompt=2)), (1, delta("q", [4], index=1)),
+    (0, delta("b", [5], "stop", stop_reason="END")), (1, delta("", [], "length")),
+    (0, delta("y", [6, 7], "stop", stop_reason=9, index=1)), (1, delta("r", [8], "stop", index=1)),
 ]
 
 
@@ -195,9 +189,9 @@ ECHO_PROMPT = EP.PromptInfo(tokens=2, echo_text="Say hi", echo_logprobs=[
 
 
 def test_accumulator_echo_puts_the_prompt_before_each_choice():
-    items = [(0, delta(0, " there", [9], prompt=ECHO_PROMPT, logprobs=[[" there", -0.5, [[" there", -0.5]], None]])),
-             (0, delta(1, " you", [8], logprobs=[[" you", -0.7, [[" you", -0.7]], None]])),
-             (0, delta(0, "!", [7], "stop", logprobs=[["!", -0.2, [["!", -0.2]], None]]))]
+    items = [(0, delta(" there", [9], prompt=ECHO_PROMPT, logprobs=[[" there", -0.5, [[" there", -0.5]], None]])),
+             (0, delta(" you", [8], logprobs=[[" you", -0.7, [[" you", -0.7]], None]], index=1)),
+             (0, delta("!", [7], "stop", logprobs=[["!", -0.2, [["!", -0.2]], None]]))]
     req = completion(n=2, echo=True, logprobs=1)
     whole = ResponseAccumulator(req, False, prompts=1, response_id="cmpl-1")
     chunks = run(whole, items)
@@ -217,14 +211,14 @@ def test_accumulator_echo_with_max_tokens_0_shows_the_prompt_only():
     """vLLM generates one token for it and shows none of it, but counts it in usage."""
     req = completion(echo=True, max_tokens=0, logprobs=0)
     acc = ResponseAccumulator(req, False, prompts=1, response_id="cmpl-1")
-    run(acc, [(0, delta(0, "zz", [9], "length", prompt=ECHO_PROMPT, logprobs=[["zz", -0.1, [], None]]))])
+    run(acc, [(0, delta("zz", [9], "length", prompt=ECHO_PROMPT, logprobs=[["zz", -0.1, [], None]]))])
     [c] = acc.response(created=1).choices
     assert (c.text, c.logprobs.tokens, c.finish_reason) == ("Say hi", ["Say", " hi"], "length")
     assert acc.usage() == H.Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3)
 
 
 def test_accumulator_without_echo_leaves_the_prompt_out():
-    items = [(0, delta(0, " there", [9], "stop", prompt=EP.PromptInfo(tokens=2)))]
+    items = [(0, delta(" there", [9], "stop", prompt=EP.PromptInfo(tokens=2)))]
     acc = ResponseAccumulator(completion(), False, prompts=1, response_id="cmpl-1")
     run(acc, items)
     assert acc.response(created=1).choices == [H.CompletionChoice(index=0, text=" there", logprobs=None,
@@ -236,7 +230,7 @@ def test_accumulator_token_ids_and_prompt_logprobs():
     info = EP.PromptInfo(tokens=2, token_ids=[4, 5], prompt_logprobs=[None, {"5": {"logprob": -1.0, "rank": 1,
                                                                                    "decoded_token": "x"}}])
     acc = ResponseAccumulator(completion(return_token_ids=True), False, prompts=1, response_id="cmpl-1")
-    chunks = run(acc, [(0, delta(0, "a", [7], prompt=info)), (0, delta(0, "b", [8], "stop"))])
+    chunks = run(acc, [(0, delta("a", [7], prompt=info)), (0, delta("b", [8], "stop"))])
     [c] = acc.response(created=1).choices
     assert (c.token_ids, c.prompt_token_ids, c.prompt_logprobs) == ([7, 8], [4, 5], info.prompt_logprobs)
     assert [(k.choices[0].token_ids, k.choices[0].prompt_token_ids) for k in chunks] == [([7], [4, 5]), ([8], None)]
@@ -244,8 +238,8 @@ def test_accumulator_token_ids_and_prompt_logprobs():
 
 def test_accumulator_chat_stream_opens_with_roles_then_echo_then_content():
     info = EP.PromptInfo(tokens=4, role="assistant", echo_text="def")
-    items = [(0, delta(0, "He", [1], prompt=info)), (0, delta(1, "Yo", [2])),
-             (0, delta(0, "llo", [3], "stop", stop_reason=2)), (0, delta(1, "", [], "length"))]
+    items = [(0, delta("He", [1], prompt=info)), (0, delta("Yo", [2], index=1)),
+             (0, delta("llo", [3], "stop", stop_reason=2)), (0, delta("", [], "length", index=1))]
     req = chat(n=2, echo=True, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     acc = ResponseAccumulator(req, True, prompts=1, response_id="chatcmpl-1", keep=False)
     chunks = run(acc, items)
@@ -269,7 +263,7 @@ def test_accumulator_chat_whole_response():
     lp = [["ok", -0.3, [["ok", -0.3]], [111, 107]]]
     info = EP.PromptInfo(tokens=1, role="user", echo_text="Q: ", prompt_text="<t>", token_ids=[3])
     acc = ResponseAccumulator(chat(logprobs=True, return_token_ids=True), True, prompts=1, response_id="chatcmpl-1")
-    run(acc, [(0, delta(0, "ok", [5], None, prompt=info, logprobs=lp))])
+    run(acc, [(0, delta("ok", [5], None, prompt=info, logprobs=lp))])
     assert acc.response(created=2) == H.ChatCompletionResponse(
         id="chatcmpl-1", object="chat.completion", created=2, model="m", prompt_text="<t>", prompt_token_ids=[3],
         usage=H.Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2, prompt_tokens_details=None,
@@ -289,15 +283,15 @@ def test_stream_chunks_carry_the_keys_vllm_sets_nulls_included():
     acc = ResponseAccumulator(chat(stream=True, stream_options={"include_usage": True,
                                                                 "continuous_usage_stats": True}),
                               True, prompts=1, response_id="c", keep=False)
-    role, out = run(acc, [(0, delta(0, "hi", [5], prompt=EP.PromptInfo(tokens=1, role="assistant")))])
+    role, out = run(acc, [(0, delta("hi", [5], prompt=EP.PromptInfo(tokens=1, role="assistant")))])
     top = {"id", "object", "created", "model", "choices", "usage"}
     assert keys(role) == (top | {"prompt_token_ids", "prompt_text"}, {"index", "delta", "logprobs", "finish_reason"})
     assert keys(out) == (top, {"index", "delta", "logprobs", "finish_reason", "token_ids"})
     assert json.loads(H.encoder.encode(out))["usage"]["completion_tokens_details"] is None
-    [last] = run(acc, [(0, delta(0, "", [6], "stop"))])
+    [last] = run(acc, [(0, delta("", [6], "stop"))])
     assert keys(last)[1] == {"index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"}
     acc = ResponseAccumulator(completion(stream=True), False, prompts=1, response_id="c", keep=False)
-    [first] = run(acc, [(0, delta(0, "a", [5], prompt=1))])
+    [first] = run(acc, [(0, delta("a", [5], prompt=1))])
     assert keys(first) == ({"id", "object", "created", "model", "choices"}, {
         "index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids"})
 
@@ -305,10 +299,10 @@ def test_stream_chunks_carry_the_keys_vllm_sets_nulls_included():
 def test_accumulator_first_token_time_is_the_first_delta_with_tokens():
     times = iter([10.0, 20.0])
     acc = ResponseAccumulator(completion(), False, prompts=1, response_id="cmpl-1", clock=lambda: next(times))
-    acc.add(0, delta(0, "", [], prompt=1))
+    acc.add(0, delta("", [], prompt=1))
     assert acc.first_token_at is None
-    acc.add(0, delta(0, "a", [1]))
-    acc.add(0, delta(0, "b", [2], "stop"))
+    acc.add(0, delta("a", [1]))
+    acc.add(0, delta("b", [2], "stop"))
     assert acc.first_token_at == 10.0
 
 

@@ -10,6 +10,7 @@ import pytest
 from api_gateway.engines import START_MARGIN, EngineLink
 from conftest import json_lines
 from gateway_harness import MODEL, run
+from builders import delta
 from servectl import config as C
 from servectl.wire import engine as EP
 
@@ -49,11 +50,6 @@ def test_a_hold_covers_the_models_measured_start_unless_the_model_sets_its_own()
     assert lk.hold_s(60.0) == 20.0
 
 
-def delta(rid: str, text: str, token: int, first: bool = False):
-    return EP.Delta(request_id=rid, index=0, text=text, token_ids=[token],
-                    prompt=EP.PromptInfo(tokens=1) if first else None)
-
-
 async def back_as(h, incarnation: str, config_id: str) -> None:
     h.gw.manager.on_model_event(MODEL, "exited", "", "replaced by a reload")
     h.gw.manager.on_model_event(MODEL, "starting", "", None)
@@ -73,7 +69,7 @@ def test_a_stream_is_not_resumed_onto_a_changed_model_it_ends_with_an_error_even
         await started(h)
         client = asyncio.ensure_future(h.post("/v1/completions", {**BODY, "stream": True}))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         await back_as(h, "inc2", "cfg-b")
         status, body = await client
@@ -93,7 +89,7 @@ def test_a_whole_answer_is_a_503_on_a_changed_model_and_resumes_on_the_same_one(
         await started(h)
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         await back_as(h, "inc2", "cfg-b")
         status, body = await client
@@ -101,7 +97,7 @@ def test_a_whole_answer_is_a_503_on_a_changed_model_and_resumes_on_the_same_one(
 
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))  # began on cfg-b
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         await back_as(h, "inc3", "cfg-b")  # a crash, the same configuration: resumed
         again = await h.engine.recv()

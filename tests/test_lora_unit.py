@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from builders import config_error, config_from
 from engine_core.chat_parsing import run_to_end
 from engine_core.loras import reason
 from manager.audit import CHANGING, Peer, audit_record
@@ -22,18 +23,6 @@ pytestmark = pytest.mark.unit
 LORA_ARGS = "[models.engine_args]\nenable_lora = true\n"
 
 
-def load(tmp_path, text: str) -> C.Config:
-    path = tmp_path / "servectl.toml"
-    path.write_text(text)
-    return C.load_config(path)[0]
-
-
-def load_error(tmp_path, text: str) -> str:
-    with pytest.raises(C.ConfigError) as exc:
-        load(tmp_path, text)
-    return str(exc.value)
-
-
 MODEL = '[[models]]\nname = "base"\nmodel = "/m"\n'
 
 
@@ -44,7 +33,7 @@ MODEL = '[[models]]\nname = "base"\nmodel = "/m"\n'
     'lora_modules = ["sql=/a/sql", { name = "code", path = "/a/code" }]\n',
 ])
 def test_every_form_of_lora_modules_is_one_list(tmp_path, form):
-    cfg = load(tmp_path, MODEL + form + LORA_ARGS)
+    cfg = config_from(tmp_path, MODEL + form + LORA_ARGS)
     assert cfg.models[0].lora_modules == [C.LoraModule(name="sql", path="/a/sql"),
                                           C.LoraModule(name="code", path="/a/code")]
     # what finalize made survives the round trip the manager's spec takes (JSON, re-validated)
@@ -54,7 +43,7 @@ def test_every_form_of_lora_modules_is_one_list(tmp_path, form):
 
 
 def test_base_model_name_is_kept(tmp_path):
-    cfg = load(tmp_path, MODEL + 'lora_modules = [{ name = "a", path = "/p", base_model_name = "base" }]\n'
+    cfg = config_from(tmp_path, MODEL + 'lora_modules = [{ name = "a", path = "/p", base_model_name = "base" }]\n'
                + LORA_ARGS)
     assert cfg.models[0].lora_modules[0].base_model_name == "base"
 
@@ -67,30 +56,30 @@ def test_base_model_name_is_kept(tmp_path):
     ('lora_modules = [{ name = "a", path = "/p", rank = 8 }]\n', ["rank"]),
 ])
 def test_a_bad_lora_module_names_the_key(tmp_path, form, words):
-    text = load_error(tmp_path, MODEL + form + LORA_ARGS)
+    text = config_error(tmp_path, MODEL + form + LORA_ARGS)
     assert all(w in text for w in words), text
 
 
 def test_lora_modules_need_enable_lora(tmp_path):
-    text = load_error(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n')
+    text = config_error(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n')
     assert "enable_lora = true" in text and "models.base.lora_modules" in text
 
 
 def test_an_adapter_name_is_unique_among_models_and_adapters(tmp_path):
     two = MODEL + 'lora_modules = { a = "/p" }\n' + LORA_ARGS + '[[models]]\nname = "other"\nmodel = "/m"\n'
-    assert "already model 'base'" in load_error(tmp_path, MODEL + 'lora_modules = { base = "/p" }\n' + LORA_ARGS)
-    assert "adapter of model 'base'" in load_error(
+    assert "already model 'base'" in config_error(tmp_path, MODEL + 'lora_modules = { base = "/p" }\n' + LORA_ARGS)
+    assert "adapter of model 'base'" in config_error(
         tmp_path, two + 'lora_modules = { a = "/q" }\n' + LORA_ARGS)
 
 
 def test_lora_modules_is_a_model_key_not_an_engine_argument(tmp_path):
-    text = load_error(tmp_path, MODEL + '[models.engine_args]\nlora_modules = ["a=/p"]\n')
+    text = config_error(tmp_path, MODEL + '[models.engine_args]\nlora_modules = ["a=/p"]\n')
     assert "not an engine argument" in text
 
 
 def test_adapters_are_part_of_what_outputs_depend_on(tmp_path):
-    a = load(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n' + LORA_ARGS).models[0]
-    b = load(tmp_path, MODEL + 'lora_modules = { a = "/q" }\n' + LORA_ARGS).models[0]
+    a = config_from(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n' + LORA_ARGS).models[0]
+    b = config_from(tmp_path, MODEL + 'lora_modules = { a = "/q" }\n' + LORA_ARGS).models[0]
     assert C.output_identity(a) != C.output_identity(b)
     assert C.lora_enabled(a) and not C.lora_enabled(C.default_model())
 
@@ -209,7 +198,7 @@ def test_a_configured_adapter_path_is_checked_before_anything_starts(tmp_path):
     adapter = tmp_path / "a"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    cfg = load(tmp_path, f'[[models]]\nname = "base"\nmodel = "{model}"\nlora_modules = {{ good = "{adapter}", '
+    cfg = config_from(tmp_path, f'[[models]]\nname = "base"\nmodel = "{model}"\nlora_modules = {{ good = "{adapter}", '
                          f'gone = "{tmp_path / "nowhere"}", empty = "{model}" }}\n' + LORA_ARGS)
     problems = check_model_paths(cfg)
     assert len(problems) == 2, problems
@@ -248,10 +237,10 @@ def test_configured_names_and_changes_under_way_are_refused():
 
 
 def test_pooling_models_take_no_adapters(tmp_path):
-    text = load_error(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n[models.engine_args]\nenable_lora = true\n'
+    text = config_error(tmp_path, MODEL + 'lora_modules = { a = "/p" }\n[models.engine_args]\nenable_lora = true\n'
                       'runner = "pooling"\n')
     assert "generating models only" in text
-    cfg = load(tmp_path, MODEL + '[models.engine_args]\nenable_lora = true\nrunner = "pooling"\n')
+    cfg = config_from(tmp_path, MODEL + '[models.engine_args]\nenable_lora = true\nrunner = "pooling"\n')
     assert not C.lora_enabled(cfg.models[0])
 
 

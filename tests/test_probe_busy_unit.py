@@ -13,16 +13,12 @@ import asyncio
 import pytest
 
 from gateway_harness import run
+from builders import delta
 from servectl.wire import engine as EP
 
 pytestmark = pytest.mark.unit
 
 COMPLETION = {"model": "m", "prompt": "x", "max_tokens": 4}
-
-
-def delta(rid: str, text: str, finished: bool = False, first: bool = False) -> EP.Delta:
-    return EP.Delta(request_id=rid, text=text, token_ids=[7], finish_reason="length" if finished else None,
-                    prompt=EP.PromptInfo(tokens=1) if first else None)
 
 
 def test_an_engine_that_answers_other_work_during_a_probe_is_busy_not_hung():
@@ -35,7 +31,7 @@ def test_an_engine_that_answers_other_work_during_a_probe_is_busy_not_hung():
         # For 0.6 s (four probe periods) the engine answers no probe and gives the first request
         # nothing, but it goes on with other work: the second request's tokens.
         for i in range(12):
-            await h.engine.step(delta(b.request_id, "b", first=i == 0))
+            await h.engine.step(delta("b", [7], first=i == 0, rid=b.request_id))
             await asyncio.sleep(0.05)
         probes = []
         while True:
@@ -45,7 +41,8 @@ def test_an_engine_that_answers_other_work_during_a_probe_is_busy_not_hung():
                 break
         assert any(p == EP.Stats(request_ids=[a.request_id]) for p in probes), probes  # it was probed
         assert h.hangs == [], "called hung while it answered other work"
-        await h.engine.step(delta(a.request_id, "a", finished=True, first=True), delta(b.request_id, "b", finished=True))
+        await h.engine.step(delta("a", [7], "length", first=True, rid=a.request_id),
+                            delta("b", [7], "length", rid=b.request_id))
         status, body = await quiet
         assert status == 200 and body["choices"][0]["text"] == "a"
         status, body = await busy

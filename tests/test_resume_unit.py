@@ -19,17 +19,12 @@ from api_gateway.resume import Choice, CannotContinue, plan, why_not_exact
 from engine_core.resume import ResumeError, continue_request, continued_params
 from conftest import json_lines
 from gateway_harness import run
+from builders import delta
 from servectl.wire import engine as EP
 
 pytestmark = pytest.mark.unit
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 6, "ignore_eos": True}
-
-
-def delta(rid: str, text: str, token: int, index: int = 0, finish: str | None = None, first: bool = False,
-          echo: str | None = None):
-    return EP.Delta(request_id=rid, index=index, text=text, token_ids=[token], finish_reason=finish,
-                    prompt=EP.PromptInfo(tokens=1, echo_text=echo) if first else None)
 
 
 def events(body: str) -> list[dict]:
@@ -48,8 +43,8 @@ def test_a_stream_goes_on_after_the_engine_restarts():
         client = asyncio.ensure_future(h.post("/v1/completions", {**BODY, "stream": True,
                                                                    "stream_options": {"include_usage": True}}))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
-        await h.engine.step(delta(gen.request_id, "c", 2))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
+        await h.engine.step(delta("c", [2], rid=gen.request_id))
         await asyncio.sleep(0.05)
         await crash_and_return(h)
         again = await h.engine.recv()
@@ -57,8 +52,7 @@ def test_a_stream_goes_on_after_the_engine_restarts():
         assert (again.kind, again.body) == (gen.kind, gen.body)
         assert again.request_id != gen.request_id
         for i, text in enumerate(["d", "e", "f"]):
-            await h.engine.step(delta(again.request_id, text, 3 + i, first=i == 0,
-                                      finish="length" if i == 2 else None))
+            await h.engine.step(delta(text, [3 + i], "length" if i == 2 else None, first=i == 0, rid=again.request_id))
         status, body = await client
         chunks = events(body)
         assert status == 200 and not any("error" in c for c in chunks)
@@ -75,8 +69,8 @@ def test_each_unfinished_choice_goes_on_and_prompts_without_output_go_again_whol
         client = asyncio.ensure_future(h.post("/v1/completions", {
             **BODY, "prompt": ["p0", "p1"], "n": 2, "temperature": 0.7, "echo": True, "logprobs": 1}))
         g0, g1 = await h.engine.recv(), await h.engine.recv()
-        await h.engine.step(delta(g0.request_id, "a", 1, index=0, first=True, echo="p0"),
-                            delta(g0.request_id, "b", 2, index=1, finish="stop"))
+        await h.engine.step(delta("a", [1], index=0, first=True, echo="p0", rid=g0.request_id),
+                            delta("b", [2], "stop", index=1, rid=g0.request_id))
         await asyncio.sleep(0.05)
         await crash_and_return(h)
         sent = [await h.engine.recv() for _ in range(2)]
@@ -86,9 +80,9 @@ def test_each_unfinished_choice_goes_on_and_prompts_without_output_go_again_whol
         assert by_prompt["p1"].resume is None and by_prompt["p1"].body == g1.body and g1.body["n"] == 2
         r0, r1 = by_prompt["p0"].request_id, by_prompt["p1"].request_id
         # A resumed request's prompt information is not the client's: ignored.
-        await h.engine.step(delta(r0, "c", 3, index=0, finish="length", first=True, echo="p0 + a"),
-                            delta(r1, "x", 4, index=0, finish="length", first=True, echo="p1"),
-                            delta(r1, "y", 5, index=1, finish="length"))
+        await h.engine.step(delta("c", [3], "length", index=0, first=True, echo="p0 + a", rid=r0),
+                            delta("x", [4], "length", index=0, first=True, echo="p1", rid=r1),
+                            delta("y", [5], "length", index=1, rid=r1))
         status, body = await client
         assert status == 200, body
         texts = {c["index"]: c["text"] for c in body["choices"]}
@@ -103,12 +97,12 @@ def test_a_whole_answer_that_cannot_be_continued_exactly_runs_again_from_its_sta
         await h.ready()
         client = asyncio.ensure_future(h.post("/v1/completions", {**BODY, "seed": 7, "temperature": 1.0}))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         await crash_and_return(h)
         again = await h.engine.recv()
         assert again.resume == EP.Resume(index=0, token_ids=[], text_chars=0) and again.body == gen.body
-        await h.engine.step(delta(again.request_id, "xyz", 9, finish="length", first=True))
+        await h.engine.step(delta("xyz", [9], "length", first=True, rid=again.request_id))
         status, body = await client
         assert status == 200 and body["choices"][0]["text"] == "xyz"
         assert body["usage"]["completion_tokens"] == 1
@@ -122,7 +116,7 @@ def test_a_stream_that_cannot_be_continued_exactly_ends_with_todays_error_event(
         client = asyncio.ensure_future(h.post("/v1/completions", {**BODY, "stream": True,
                                                                    "presence_penalty": 0.5}))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "ab", 1, first=True))
+        await h.engine.step(delta("ab", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         await crash_and_return(h)
         status, body = await client
@@ -140,7 +134,7 @@ def test_a_failed_model_ends_held_requests_at_once_and_the_hold_clock_starts_at_
         await h.ready()
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "a", 1, first=True))
+        await h.engine.step(delta("a", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         h.model_state("exited", "", "signal 9")
         await asyncio.sleep(0.1)
@@ -152,7 +146,7 @@ def test_a_failed_model_ends_held_requests_at_once_and_the_hold_clock_starts_at_
         await h.ready("inc3")
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "a", 1, first=True))
+        await h.engine.step(delta("a", [1], first=True, rid=gen.request_id))
         await asyncio.sleep(0.05)
         h.model_state("exited", "", "signal 9")
         status, body = await asyncio.wait_for(client, 5)
@@ -166,7 +160,7 @@ def test_a_hung_engine_is_reported_and_its_restart_continues_the_request():
         await h.ready()
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "a", 1, first=True))
+        await h.engine.step(delta("a", [1], first=True, rid=gen.request_id))
         probe = await h.engine.recv(timeout=5)
         assert isinstance(probe, EP.Stats)  # unanswered: hung
         for _ in range(50):
@@ -177,7 +171,7 @@ def test_a_hung_engine_is_reported_and_its_restart_continues_the_request():
         await crash_and_return(h)  # the manager killed and restarted the group
         again = await h.engine.recv()
         assert again.resume.token_ids == [1]
-        await h.engine.step(delta(again.request_id, "b", 2, finish="length", first=True))
+        await h.engine.step(delta("b", [2], "length", first=True, rid=again.request_id))
         status, body = await client
         assert status == 200 and body["choices"][0]["text"] == "ab"
 
@@ -212,13 +206,13 @@ def test_a_slow_step_the_engine_announced_is_waited_for_not_reported_hung(monkey
         h.link.stats = slow_step_then_stats
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         gen = await h.engine.recv()
-        await h.engine.step(delta(gen.request_id, "a", 1, first=True))
+        await h.engine.step(delta("a", [1], first=True, rid=gen.request_id))
         probe = await h.engine.recv(timeout=10)
         assert isinstance(probe, EP.Stats)  # unanswered: the engine waits for its worker
         await asyncio.wait_for(probed.wait(), 10)
         await asyncio.sleep(0)  # the probe's caller decides on the same turn
         assert verdicts == [None] and h.hangs == []
-        await h.engine.step(delta(gen.request_id, "b", 2, finish="length"))
+        await h.engine.step(delta("b", [2], "length", rid=gen.request_id))
         status, body = await asyncio.wait_for(client, 10)
         assert status == 200 and body["choices"][0]["text"] == "ab" and h.hangs == []
 
@@ -231,7 +225,7 @@ def test_more_restarts_than_the_bound_fail_the_request():
         client = asyncio.ensure_future(h.post("/v1/completions", BODY))
         rid = (await h.engine.recv()).request_id
         for i in range(4):
-            await h.engine.step(delta(rid, "a", 1, first=True))
+            await h.engine.step(delta("a", [1], first=True, rid=rid))
             await asyncio.sleep(0.05)
             h.model_state("exited", "", "signal 9")
             if i == 3:

@@ -125,13 +125,16 @@ def test_streams_are_capped_per_address():
 def test_a_stream_that_reads_nothing_is_closed_when_a_write_stalls():
     async def scenario(h):
         quiet_sampler(h)
-        h.gw.ui.write_timeout_s = 0.5
+        h.gw.ui.write_timeout_s = 0.3
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", h.port))
         sock.sendall(b"GET /ui/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nSec-Fetch-Site: same-origin\r\n\r\n")
-        await asyncio.sleep(0.3)
         hub = h.gw.ui.hub
+        for _ in range(100):  # the page opens
+            if hub.pages:
+                break
+            await asyncio.sleep(0.02)
         assert len(hub.pages) == 1
         page = next(iter(hub.pages))
         page.push(b": " + b"x" * (64 << 20) + b"\n\n")  # far more than any buffer: the write stalls

@@ -8,7 +8,7 @@ import os
 import pickle
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from engine_core.workers.signing import BadSignature, Signer
@@ -16,7 +16,7 @@ from engine_core.workers.signing import BadSignature, Signer
 pytestmark = pytest.mark.unit
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.deep
 @given(key=st.binary(min_size=0, max_size=200), payload=st.binary(max_size=5000))
 @example(key=b"", payload=b"x")
 @example(key=b"k" * 64, payload=b"x")

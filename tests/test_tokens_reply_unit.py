@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_core.workers.link import HEADER, UNSIGNED, UNSIGNED_FLAG, FrameReader
@@ -52,7 +52,7 @@ CODEC = TokensReplyCodec(StepOutput)
 
 # ---- the codec ------------------------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.deep
 @given(ids=st.lists(st.text(max_size=40), unique=True, max_size=70),
        data=st.data(), call_id=st.integers(min_value=0, max_value=2**63 - 1),
        empty=st.sets(st.sampled_from(["logprobs", "pooler_output", "num_nans_in_logits"])))

@@ -14,6 +14,7 @@ from api_gateway import fields as F
 from api_gateway import openai_types as H
 from api_gateway.accumulator import ResponseAccumulator
 from api_gateway.errors import HttpError
+from builders import delta
 from api_gateway.resume import CannotContinue, Choice, plan, why_not_exact
 from servectl import config as C
 from servectl.wire import engine as EP
@@ -28,11 +29,6 @@ PARSED = EP.PromptInfo(tokens=7, role="assistant", parsed=True, reasoning_usage=
 def chat(**fields) -> H.ChatCompletionRequest:
     return msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields},
                            H.ChatCompletionRequest)
-
-
-def delta(text="", ids=(), finish=None, message=None, prompt=None, reasoning_tokens=None, logprobs=None):
-    return EP.Delta(request_id="r", text=text, token_ids=list(ids), finish_reason=finish, message=message,
-                    prompt=prompt, reasoning_tokens=reasoning_tokens, logprobs=logprobs)
 
 
 CALL_DELTAS = [

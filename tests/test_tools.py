@@ -111,22 +111,7 @@ def test_tool_choice_none_answers_without_a_call(api):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_choices_give_a_valid_call(api, tool_choice, stream):
-    kw = dict(messages=ASK, tools=[STRICT_WEATHER], tool_choice=tool_choice, parallel_tool_calls=False)
-    if not stream:
-        r = chat(api, **kw)
-        calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
-        finish = r.choices[0].finish_reason
-    else:
-        parts: dict[int, list] = {}
-        finish = None
-        for chunk in chat(api, stream=True, **kw):
-            for c in chunk.choices:
-                for tc in c.delta.tool_calls or ():
-                    p = parts.setdefault(tc.index, ["", ""])
-                    p[0] += (tc.function.name or "") if tc.function else ""
-                    p[1] += (tc.function.arguments or "") if tc.function else ""
-                finish = c.finish_reason or finish
-        calls = [tuple(p) for p in parts.values()]
+    calls, finish, _ = forced_call(api, "tools", tool_choice, stream, tools=[STRICT_WEATHER])
     assert len(calls) == 1, calls
     name, arguments = calls[0]
     assert name == "get_weather"
@@ -148,8 +133,9 @@ def test_the_grammar_forces_a_call_on_a_model_that_knows_no_tools(api, tool_choi
     assert not (plain.choices[0].message.content or "").startswith("<tool_call>")
 
 
-def forced_call(api, model: str, tool_choice, stream: bool, **kw) -> tuple[list, str | None]:
-    """The calls of a forced choice, streamed (its deltas assembled) or whole, and the finish reason."""
+def forced_call(api, model: str, tool_choice, stream: bool, **kw) -> tuple[list, str | None, str | None]:
+    """The calls of a forced choice, streamed (its deltas assembled) or whole, the finish reason and
+    the content."""
     kw = dict(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False) | kw
     if not stream:
         r = chat(api, **kw)

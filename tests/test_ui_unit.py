@@ -155,8 +155,11 @@ def test_a_page_gets_the_newest_snapshot_and_every_event():
     assert page.closed and page.wake.is_set()
 
 
-def test_the_sampler_runs_only_while_a_page_is_open_and_keys_close_pages():
+def test_the_sampler_runs_only_while_a_page_is_open_and_keys_close_pages(monkeypatch):
+    from api_gateway import ui_hub
     from api_gateway.ui_hub import Page
+
+    monkeypatch.setattr(ui_hub, "SAMPLE_S", 0.05)  # a sampler left running would sample within 0.3 s
 
     async def scenario(h):
         hub = h.gw.ui.hub
@@ -180,7 +183,7 @@ def test_the_sampler_runs_only_while_a_page_is_open_and_keys_close_pages():
         await asyncio.sleep(0.05)
         assert hub.sampler is None and sampler.done()
         count = len(samples)
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(0.3)  # six sampling periods
         assert len(samples) == count  # nothing samples for no page
     run(scenario, api_keys=[API], admin_keys=[ADMIN])
 

@@ -87,6 +87,13 @@ class Served:
         return group
 
 
+def serving_a(*also: str) -> tuple[Served, ModelVerbs]:
+    """Model ``a`` served (ready), the models ``also`` configured only, and the verbs on them."""
+    served = Served("a", *also)
+    served.serving("a")
+    return served, ModelVerbs(served)
+
+
 async def settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0)
@@ -98,9 +105,7 @@ def run(coro):
 
 def test_unload_answers_once_the_model_is_gone():
     async def scenario():
-        served = Served("a")
-        served.serving("a")
-        verbs = ModelVerbs(served)
+        served, verbs = serving_a()
         answer = asyncio.ensure_future(verbs.unload("a", None))
         await settle()
         assert served.unloads_begun == ["a"] and not answer.done()  # still draining: no answer yet
@@ -114,9 +119,7 @@ def test_unload_answers_once_the_model_is_gone():
 
 def test_a_load_sent_while_the_model_unloads_loads_it_once_it_is_gone():
     async def scenario():
-        served = Served("a")
-        served.serving("a")
-        verbs = ModelVerbs(served)
+        served, verbs = serving_a()
         unload = asyncio.ensure_future(verbs.unload("a", 0))  # answered at once: under way
         ack = await unload
         assert (ack.ok, ack.done) == (True, False) and "under way" in ack.message
@@ -136,9 +139,7 @@ def test_a_load_sent_while_the_model_unloads_loads_it_once_it_is_gone():
 
 def test_asking_again_waits_for_the_change_under_way():
     async def scenario():
-        served = Served("a")
-        served.serving("a")
-        verbs = ModelVerbs(served)
+        served, verbs = serving_a()
         first = await verbs.unload("a", 0)
         assert first.done is False
         again = await verbs.unload("a", 0.01)  # joins it: the caller's wait ran out again
@@ -155,9 +156,7 @@ def test_asking_again_waits_for_the_change_under_way():
 
 def test_refusals_only_for_what_can_never_apply():
     async def scenario():
-        served = Served("a", "b")
-        served.serving("a")
-        verbs = ModelVerbs(served)
+        served, verbs = serving_a("b")
         ack = await verbs.load("a", None, None)
         assert not ack.ok and "already served" in ack.message
         ack = await verbs.unload("nope", None)
@@ -194,9 +193,8 @@ def test_a_load_that_fails_says_so_and_one_released_as_configured_is_done():
 
 def test_a_restart_is_done_once_every_group_serves_again_and_a_second_joins_it():
     async def scenario():
-        served = Served("a")
-        group = served.serving("a")
-        verbs = ModelVerbs(served)
+        served, verbs = serving_a()
+        group = served.groups["a"]
         first = asyncio.ensure_future(verbs.restart("a", None))
         await settle()
         second = asyncio.ensure_future(verbs.restart("a", None))

@@ -374,7 +374,8 @@ def test_a_message_sent_the_wrong_way_is_refused(decoder, msg):
         decoder.decode(msgspec.msgpack.encode(msg))
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@pytest.mark.deep
+@settings(deadline=None, derandomize=True)
 @given(frame=st.binary(max_size=64) | st.builds(msgspec.msgpack.encode, st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(["type", "model", "pid", "x"]) | st.text(
@@ -393,7 +394,8 @@ model_names = st.from_regex(NAME_PATTERN, fullmatch=True)
 numbers = st.integers(min_value=0, max_value=10**6)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@pytest.mark.deep
+@settings(deadline=None, derandomize=True)
 @given(model=model_names, n=numbers)
 def test_built_names_parse_back_to_their_parts(model, n):
     C = SP.ComponentName
@@ -454,7 +456,8 @@ def rebuild(parts: SP.ComponentName) -> str:
     }[parts.kind]()
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@pytest.mark.deep
+@settings(deadline=None, derandomize=True)
 @given(name=st.text(max_size=24) | st.text(alphabet=st.sampled_from("ab:019_-. \n\u00b2\u0663"), max_size=24)
        | st.builds(lambda k, rest: f"{k}:{rest}", st.sampled_from(["engine_core", "worker", "gateway", "standby",
                                                                       "model", "standby:engine_core",
