@@ -33,7 +33,7 @@ from engine_core.control_handlers import ManagerMessages
 from engine_core.idle import IdleClock, IdleRelease
 from engine_core.kv_events import published
 from engine_core.outputs import OutputFormatter
-from engine_core.requests import BadRequest, Built, refusal
+from engine_core.request_types import BadRequest, Built, refusal
 from engine_core.resume import add_continued
 from engine_core.slices import Slicing
 from engine_core.step_halves import StepHalves, WholeStep, step_halves

@@ -7,7 +7,7 @@ Here the same classes are built as ``init_generate_state`` builds them, over
 the model's ``OnlineRenderer`` (chat_parsing.py), and given a
 ``ServingEngineClient``: what those classes see of an engine. Their
 ``engine_client.generate`` call is only recorded; the engine loop adds that
-request to its ``LLMEngine`` like any other (requests.py ``Built``) and puts
+request to its ``LLMEngine`` like any other (request_types.py ``Built``) and puts
 each step's ``RequestOutput`` into the ``OutputFeed`` the serving code reads.
 
 vLLM's serving code is async, but between two outputs it waits for nothing
@@ -34,7 +34,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from engine_core.requests import BadRequest, Built, OutputSpec, refusal
+from engine_core.request_types import BadRequest, Built, OutputSpec, refusal
 from servectl.wire import engine as P
 
 log = logging.getLogger("engine_core")

@@ -77,7 +77,7 @@ PINS = [
         "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat._engine_reasoning_kwargs",
         "engine_core/chat_parsing.py ChatFrontend.reasoning_request_fields mirrors it"),
     Pin("AsyncLLM.add_request", "vllm.v1.engine.async_llm:AsyncLLM.add_request",
-        "engine_core/requests.py Built.add_to sets reasoning_ended / reasoning_parser_kwargs as it does"),
+        "engine_core/request_types.py Built.add_to sets reasoning_ended / reasoning_parser_kwargs as it does"),
     Pin("ServingTokenization.create_tokenize", "vllm.entrypoints.serve.tokenize.serving:ServingTokenization.create_tokenize",
         "engine_core/tokenizing.py TokenizerEndpoints.tokenize mirrors its chat rendering (template, tools)"),
     Pin("OnlineRenderer.preprocess_chat", "vllm.renderers.online_renderer:OnlineRenderer.preprocess_chat",
