@@ -65,7 +65,7 @@ class PoolingApis:
         from vllm.renderers.chat_utils import ChatTemplateConfig, load_chat_template
         from vllm.tasks import POOLING_TASKS
 
-        from engine_core.serving_apis import ServingEngineClient
+        from engine_core.driven import ServingEngineClient
 
         self.client = ServingEngineClient(vllm_config, renderer, input_processor)
         model_config = vllm_config.model_config
