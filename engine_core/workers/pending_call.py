@@ -16,6 +16,11 @@ from typing import Any, Protocol
 log = logging.getLogger("engine_core.executor")
 
 
+class WorkerHung(RuntimeError):
+    """A worker is hung or gone: every call in flight fails with it, and the engine exits so
+    the manager restarts the group."""
+
+
 class WorkerCallFailed(RuntimeError):
     """A call failed in one or more workers; ``permanent`` is the one-line reason
     if a worker judged its failure one a restart cannot fix (engine_core/load_errors.py)."""
