@@ -16,6 +16,9 @@ from servectl.wire import engine as P
 
 
 class GatewayMessages:
+    """Uses ``EngineServer``'s spec, engine, group, clock, idle release, requests, pending, tokenizing
+    and its ``_send`` / ``_refuse`` / ``_abort``."""
+
     def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
         kv_events, rank = published()
         self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,

@@ -39,6 +39,9 @@ class InFlight:
 
 
 class Intake:
+    """Uses ``EngineServer``'s spec, engine, group, builder, idle release, held outputs, slices,
+    pending, requests, by_peer, pooled, draining and its ``_send``."""
+
     def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
         if self.idle.released:
