@@ -39,8 +39,8 @@ class InFlight:
 
 
 class Intake:
-    """Uses ``EngineServer``'s spec, engine, group, builder, idle release, held outputs, slices,
-    pending, requests, by_peer, pooled, draining and its ``_send``."""
+    """Uses ``EngineServer``'s spec, engine, tokenizer, group, builder, idle release, held outputs,
+    slices, pending, requests, by_peer, pooled, draining and its ``_send`` / ``_fail``."""
 
     def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
