@@ -128,7 +128,7 @@ class ChatFrontend:
         """``OnlineRenderer.render_chat``: (conversation, engine input); its error response raised."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        from engine_core.requests import BadRequest
+        from engine_core.request_types import BadRequest
 
         result = run_to_end(self.renderer_for(request).render_chat(request))
         if isinstance(result, ErrorResponse):

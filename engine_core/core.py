@@ -12,7 +12,9 @@ runs on the workers, as `vllm serve` does them beside its engine core
 
 Tokenisation, chat templates and detokenisation happen here, so gateways never
 import torch or vLLM. The process's start (sockets, the worker group, vLLM's
-engine) is ``engine_core/main.py``.
+engine) is ``engine_core/main.py``; requests queued and added are intake.py's,
+the gateways' other messages gateway_handlers.py's, the manager's
+control_handlers.py's.
 """
 
 from __future__ import annotations
@@ -21,20 +23,18 @@ import functools
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 
-from engine_core import metrics as engine_metrics
 from engine_core.coalesce import HeldOutput
 from engine_core.control_handlers import ManagerMessages
+from engine_core.gateway_handlers import GatewayMessages
 from engine_core.idle import IdleClock, IdleRelease
-from engine_core.kv_events import published
+from engine_core.intake import InFlight, Intake
 from engine_core.outputs import OutputFormatter
-from engine_core.requests import BadRequest, Built, refusal
-from engine_core.resume import add_continued
+from engine_core.request_types import BadRequest
 from engine_core.slices import Slicing
 from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.workers import WorkerHung, engine_batch_queue
@@ -44,28 +44,18 @@ from servectl.wire.spawn import EngineSpec
 from servectl.wire.vocab import IdleMode
 
 log = logging.getLogger("engine_core")
-# While requests run, adding new ones (tokenising, chat templates) gets this much time
-# between two steps; the rest wait for the next gap, so a large batch arriving does not
-# stall the tokens of requests already running. An idle engine adds everything at once.
-ADD_BUDGET_S = 0.01
-
-
-@dataclass(eq=False, slots=True)
-class InFlight:
-    """One engine request added to vLLM and not finished: everything the engine keeps for it
-    (its held output aside: ``HeldOutput``), dropped in one place, ``EngineServer._forget``."""
-
-    peer: bytes  # the gateway that sent it (its identity on the frontend)
-    spec: Any  # its OutputSpec: what its responses show
-    resumed: int | None = None  # the choice it continues (engine_core/resume.py), or None
 
 
 class StepFailed(RuntimeError):
     """``LLMEngine.step`` raised: which request, if any, caused it is unknown."""
 
 
-class EngineServer(ManagerMessages):
-    """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER."""
+class EngineServer(ManagerMessages, GatewayMessages, Intake):
+    """Owns the LLMEngine, the gateway-facing ROUTER and the control DEALER; runs the loop.
+
+    Its parts in other files share its state: the manager's messages (control_handlers.py),
+    the gateways' other than Generate (gateway_handlers.py), requests queued, added and
+    forgotten (intake.py). A method found on a part costs the loop no extra call."""
 
     # Requests are built, and tokenizer questions answered, the way vLLM's OpenAI server does
     # (requests.py, tokenizing.py); both import vLLM when first used, so the loop itself is
@@ -109,7 +99,7 @@ class EngineServer(ManagerMessages):
         getter = getattr(engine, "get_supported_tasks", None)
         self.tasks = tuple(getter()) if getter is not None else ("generate",)
         self.by_peer: dict[bytes, set[str]] = defaultdict(set)  # gateway -> its requests (an index of requests)
-        # Generates received and not yet added (ADD_BUDGET_S), in arrival order.
+        # Generates received and not yet added (intake.py, ADD_BUDGET_S), in arrival order.
         self.pending: dict[str, tuple[bytes, P.Generate]] = {}
         # Pooling requests added by slices, the rest of their inputs to render and add (slices.py).
         self.slices = Slicing(engine, self._slice_added, self._slice_failed)
@@ -206,56 +196,6 @@ class EngineServer(ManagerMessages):
                 continue
             self.on_gateway[type(msg)](peer, msg)
 
-    # ---- one handler per gateway message ---------------------------------------
-    def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
-        kv_events, rank = published()
-        self._send(peer, P.HelloReply(version=P.PROTOCOL_VERSION, incarnation=self.spec.incarnation,
-                                      model=self.spec.model.name, max_model_len=self.max_model_len,
-                                      max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
-                                      tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank,
-                                      max_prompt_chars=self.max_model_len * getattr(self.tokenizer,
-                                                                                    "max_chars_per_token", 0)))
-
-    def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
-        self._abort(msg.request_ids)
-
-    def _on_metrics(self, peer: bytes, msg: P.MetricsRequest) -> None:
-        text = "" if self.idle.released and not self.idle.asleep else engine_metrics.render(asleep=self.idle.asleep, engine=self.spec.replica)
-        self._send(peer, P.MetricsReply(incarnation=self.spec.incarnation, text=text))
-
-    def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
-        missing = [rid for rid in msg.request_ids if rid not in self.requests and rid not in self.pending]
-        self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
-                                      unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
-                                      overlapped_steps=self.group.overlapped_steps,
-                                      token_replies=self.group.token_replies,
-                                      signed_replies=self.group.signed_replies,
-                                      rejected_frames=self.rejected, missing=missing,
-                                      last_worked_at=self.clock.since_wall))
-
-    def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
-        """Queued; answered by ``_answer_tokenizing`` (tokenising needs no worker)."""
-        self.tokenizing.append((peer, msg))
-
-    def _answer_tokenizing(self) -> None:
-        """Answer the queued tokenizer questions: all of them when nothing runs, else one per gap
-        between steps, so that questions arriving together cannot stall the steps of running
-        requests (each is bounded like a prompt: tokenizing.py)."""
-        if not (self.engine.has_unfinished_requests() or self.in_flight or self.kept is not None):
-            while self.tokenizing:
-                self._answer_tokenizer(*self.tokenizing.popleft())
-            return
-        self.tokenizer_answers += 1
-        self._answer_tokenizer(*self.tokenizing.popleft())
-
-    def _answer_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
-        try:
-            body = self.tokenizer_endpoints.answer(msg.kind, msg.body)
-        except BadRequest as exc:
-            self._refuse(peer, msg.request_id, str(exc), exc.status, exc.param)
-            return
-        self._send(peer, P.TokenizerReply(incarnation=self.spec.incarnation, request_id=msg.request_id, body=body))
-
     def _check_drained(self) -> None:
         if (self.draining and not self.drain_reported and not self.engine.has_unfinished_requests()
                 and not self.pending and not self.slices):
@@ -272,127 +212,6 @@ class EngineServer(ManagerMessages):
             self.frontend.send_multipart([peer, P.encoder.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY is off: rare)
             log.warning("cannot send to %r: %s", peer, exc)
-
-    # ---- requests --------------------------------------------------------------
-    def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
-        rid = msg.request_id
-        if self.idle.released:
-            # Idle release under way: the gateway holds the request and sends it again after the wake.
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, released=True,
-                                            message=f"model {self.spec.model.name!r} is released", status=503))
-            return
-        if rid in self.requests or rid in self.pending:
-            self._refuse(peer, rid, f"duplicate request id {rid}", 400)
-            return
-        self.pending[rid] = (peer, msg)
-
-    def _add_pending(self) -> None:
-        """Add what arrived, all of it when idle, else for ADD_BUDGET_S (at least one); then a
-        slice of the pooling requests being added, for ADD_BUDGET_S even when idle (a request
-        arriving meanwhile is taken in at the next gap)."""
-        budget = None if not self.engine.has_unfinished_requests() else time.monotonic() + ADD_BUDGET_S
-        while self.pending:
-            self._add(*self.pending.pop(next(iter(self.pending))))
-            if budget is not None and time.monotonic() >= budget:
-                return
-        if self.slices:
-            deadline = time.monotonic() + ADD_BUDGET_S
-            self.slices.run(lambda: time.monotonic() >= deadline)
-
-    def _add_pending_until_reply(self) -> None:
-        """Add what arrived while the workers run a step, until a reply is in (then the step's
-        turnaround comes first; the rest waits for the next wait or gap)."""
-        while self.pending and not self.group.reply_waiting():
-            self._add(*self.pending.pop(next(iter(self.pending))))
-        if self.slices and not self.group.reply_waiting():
-            self.slices.run(self.group.reply_waiting)
-
-    def _refuse(self, peer: bytes, rid: str, message: str, status: int, param: str | None = None) -> None:
-        self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, message=message,
-                                        status=status, param=param))
-
-    def _add(self, peer: bytes, msg: P.Generate) -> None:
-        rid = msg.request_id
-        if self.draining:
-            self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, draining=True,
-                                            message=f"model {self.spec.model.name!r} is being stopped", status=503))
-            return
-        try:
-            built = self._build(msg)
-            if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
-                self.slices.start(rid, built.spec.pooling)
-            elif msg.resume is None:
-                built.add_to(self.engine, rid)
-            else:
-                add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
-        except Exception as exc:  # one request's failure never takes the engine down
-            # vLLM may have registered part of it before refusing: drop whatever it holds.
-            self._drop(rid)
-            # Admission only looks at the request itself, so whatever it rejects is bad input:
-            # vLLM's classification (status, message, parameter), never a 5xx.
-            bad = refusal(exc)
-            if bad.unexpected:  # not its message: vLLM's may quote the prompt
-                log.warning("request %s refused at admission: %s (param %s)", rid, type(exc).__name__, bad.param)
-            self._refuse(peer, rid, str(bad), bad.status, bad.param)
-            return
-        built.spec.whole = not msg.body.get("stream") and built.spec.pooling is None
-        self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
-        self.by_peer[peer].add(rid)
-
-    def _slice_added(self, rid: str, ids: list[str]) -> None:
-        self.pooled.update((sub, rid) for sub in ids)
-
-    def _slice_failed(self, rid: str, exc: Exception) -> None:
-        """vLLM refused one of a pooling request's inputs: the request fails (a 4xx, as at admission)."""
-        req = self.requests.get(rid)
-        if req is None:
-            return
-        bad = refusal(exc)
-        if bad.unexpected:
-            log.warning("request %s refused while added: %s (param %s)", rid, type(exc).__name__, bad.param)
-        self._fail(req.peer, rid, str(bad), bad.status, bad.param)
-
-    def _drop(self, rid: str) -> None:
-        """Remove a request from vLLM whatever state it is in (an unknown id is a no-op there)."""
-        try:
-            self.engine.abort_request(self._vllm_ids([rid]))
-        except Exception:  # noqa: BLE001 - nothing more can be done for it
-            log.exception("dropping request %s", rid)
-
-    def _build(self, msg: P.Generate) -> Built:
-        return self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)
-
-    def _abort(self, ids: list[str]) -> None:
-        for rid in ids:
-            self.pending.pop(rid, None)
-        live = [i for i in ids if i in self.requests]
-        if live:
-            self.engine.abort_request(self._vllm_ids(live))
-            log.info("aborted %d request(s): %s", len(live), " ".join(live[:8]))
-        for rid in live:
-            self._forget(rid)
-
-    def _vllm_ids(self, ids: list[str]) -> list[str]:
-        """The ids vLLM knows these requests by (a pooling request: one per prompt)."""
-        pooled = [getattr(r.spec, "pooling", None) if (r := self.requests.get(i)) else None for i in ids]
-        return [v for i, p in zip(ids, pooled) for v in (p.ids if p is not None else [i])]
-
-    def _forget(self, rid: str) -> None:
-        """The one place a request's state goes: its record, its gateway's index entry, its held output."""
-        req = self.requests.pop(rid, None)
-        if req is not None:
-            api = getattr(req.spec, "api", None)
-            if api is not None:  # a Responses / Messages request's serving code (serving_apis.py)
-                api.close()
-            for sub in getattr(req.spec, "pooling", None) and req.spec.pooling.ids or ():
-                self.pooled.pop(sub, None)
-            self.slices.drop(rid)
-            mine = self.by_peer.get(req.peer)
-            if mine is not None:
-                mine.discard(rid)
-                if not mine:
-                    del self.by_peer[req.peer]
-        self.held.drop(rid)
 
     # ---- one step ----------------------------------------------------------------
     def _step(self) -> None:

@@ -159,6 +159,6 @@ class Adapters:
             return lora_request
         if self.models.is_base_model(model):
             return None
-        from engine_core.requests import BadRequest
+        from engine_core.request_types import BadRequest
 
         raise BadRequest(f"The model `{model}` does not exist.", "model", 404)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_core.requests import OutputSpec
+from engine_core.request_types import OutputSpec
 from servectl.wire import engine as P
 
 FLOOR = -9999.0  # vLLM's stand-in for -inf in JSON

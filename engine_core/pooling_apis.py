@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any
 
-from engine_core.requests import BadRequest, OutputSpec, refusal
+from engine_core.request_types import BadRequest, OutputSpec, refusal
 from servectl.wire import engine as P
 
 log = logging.getLogger("engine_core")
@@ -65,7 +65,7 @@ class PoolingApis:
         from vllm.renderers.chat_utils import ChatTemplateConfig, load_chat_template
         from vllm.tasks import POOLING_TASKS
 
-        from engine_core.serving_apis import ServingEngineClient
+        from engine_core.driven import ServingEngineClient
 
         self.client = ServingEngineClient(vllm_config, renderer, input_processor)
         model_config = vllm_config.model_config
@@ -200,7 +200,7 @@ class PoolingCall:
 
 
 class PooledBuilt:
-    """A pooling request ready for ``LLMEngine``: its output spec (requests.py ``Built``'s
+    """A pooling request ready for ``LLMEngine``: its output spec (request_types.py ``Built``'s
     surface); the engine adds its engine requests by slices (engine_core/slices.py)."""
 
     def __init__(self, call: PoolingCall):

@@ -56,7 +56,7 @@ def continued_params(n: int, max_tokens: int | None, min_tokens: int, seed: int 
 
 
 def continue_request(built, resume: P.Resume) -> list[int]:
-    """Make a freshly built request (engine_core/requests.py ``Built``: vLLM's validation and
+    """Make a freshly built request (engine_core/request_types.py ``Built``: vLLM's validation and
     defaults, the prompt rendered) the continuation of one of its choices. Returns the client's
     prompt's token ids."""
     engine_input = built.engine_input
@@ -139,7 +139,7 @@ def add_continued(engine, tokenizer, request_id: str, built, resume: P.Resume) -
     into the new one and, for a parsed chat, the client's output replayed through its parser
     (for a Responses / Messages request, through its serving code: serving_apis.py).
     A failure after the request was made is not the client's: a 503, it cannot be continued."""
-    from engine_core.requests import BadRequest
+    from engine_core.request_types import BadRequest
 
     api = built.spec.api  # a Responses / Messages request: its serving code holds these parameters
     if api is not None:

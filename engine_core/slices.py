@@ -4,7 +4,7 @@ A pooling request is one engine request per input (pooling_apis.py). Rendering
 and adding them all in one go held the engine's only thread while a request of
 many inputs went in (security issue 53: minutes, and gigabytes). ``Slicing``
 keeps the pooling requests not wholly added yet and adds the next slice of
-each whenever the engine takes requests in (core.py: between two steps for
+each whenever the engine takes requests in (intake.py: between two steps for
 ``ADD_BUDGET_S``, or while a step's model runs, until its reply is in), as
 Generates are: the requests already running get their steps in between. A
 slice is at least one input, so each call makes progress.

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine_core.requests import BadRequest, RequestBuilder, refusal
+from engine_core.request_types import BadRequest, refusal
+from engine_core.requests import RequestBuilder
 
 
 class TokenizerEndpoints:

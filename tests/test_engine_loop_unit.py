@@ -15,7 +15,7 @@ import zmq
 
 import engine_core.core as core
 from engine_core.core import EngineServer, StepFailed
-from engine_core.requests import Built, OutputSpec
+from engine_core.request_types import Built, OutputSpec
 from servectl.config import ModelConfig
 from servectl.wire import engine as P
 from servectl.wire.spawn import EngineSpec

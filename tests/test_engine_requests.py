@@ -115,7 +115,7 @@ TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}]{% endfor %}"
 
 
 def test_a_requests_chat_template_needs_trust(plain):
-    from engine_core.requests import BadRequest
+    from engine_core.request_types import BadRequest
 
     for body in ({"chat_template": TEMPLATE}, {"chat_template_kwargs": {"chat_template": TEMPLATE}}):
         with pytest.raises(BadRequest) as info:
@@ -174,7 +174,7 @@ def test_truncation_and_echo_with_max_tokens_0(plain):
     ({"prompt": "x", "n": "two"}, "n"),
 ])
 def test_vllms_refusals_keep_their_status_and_parameter(plain, body, param):
-    from engine_core.requests import BadRequest
+    from engine_core.request_types import BadRequest
 
     with pytest.raises(BadRequest) as info:
         plain.build("completion", body)
@@ -187,7 +187,7 @@ def test_alternatives_completions_list_k_plus_1_chat_k():
     from vllm.logprobs import Logprob
 
     from engine_core.outputs import OutputFormatter
-    from engine_core.requests import OutputSpec
+    from engine_core.request_types import OutputSpec
 
     class Tok:
         def decode(self, ids):

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from engine_core.workers.group import WorkerGroup, WorkerHung
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.pending_call import WorkerHung
 from engine_core.workers.step_calls import StepCalls
 from hop_fixtures import SimClock, ctx, doubles, make_group, start_worker  # noqa: F401  (fixtures)
 from servectl.wire.worker import EXECUTE_AND_SAMPLE

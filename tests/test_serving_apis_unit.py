@@ -19,7 +19,7 @@ from api_gateway import resume as R
 from api_gateway.errors import HttpError
 from api_gateway.media import check_text_only
 from api_gateway.passthrough import anthropic_error_body, error_event
-from engine_core.serving_apis import Driven, OutputFeed, ServingEngineClient, _SeededIds
+from engine_core.driven import Driven, OutputFeed, ServingEngineClient, _SeededIds
 from servectl.wire import engine as EP
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,9 @@ import threading
 import pytest
 
 from conftest import wait_for
-from engine_core.workers.group import CONNECT_RETRY_S, WorkerGroup, WorkerHung
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.pending_call import WorkerHung
+from engine_core.workers.processes import CONNECT_RETRY_S
 from engine_core.workers.link import (
     HEADER,
     FrameError,

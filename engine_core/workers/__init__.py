@@ -6,14 +6,17 @@ checks it); the files inside are:
 - ``executor.py``: ``WorkerGroupExecutor``, vLLM's executor interface, bound to one group
   (``executor_for``); the CPU platform's async-scheduling decision (``honour_async_scheduling_on_cpu``)
 - ``group.py``: ``WorkerGroup``, the engine's handle on its workers (calls in flight, their
-  deadline, freezing); ``WorkerHung``
-- ``pending_call.py``: ``PendingCall``, one call in flight; ``WorkerCallFailed``
+  deadline); ``processes.py``: its part that reaches the workers' processes (a connection per
+  rank, its peer checked; freezing)
+- ``pending_call.py``: ``PendingCall``, one call in flight; how calls fail (``WorkerCallFailed``,
+  ``WorkerHung``)
 - ``step_calls.py``: ``StepCalls``, the step protocol (execute and sample fused); vLLM's batch queue
 - ``step_deadline.py``: ``StepDeadline``, a step's reply deadline from the step times seen
 - ``spin.py``: how long the engine and a worker poll before blocking
 - ``link.py``: the framing on a Unix stream (length, HMAC, payload), the private listening socket
 - ``signing.py``: HMAC-signed pickles; ``tokens_reply.py``: a step's reply of sampled tokens only
-- ``worker.py``: ``python -m engine_core.workers.worker``, one rank's loop around vLLM's ``WorkerWrapperBase``
+- ``worker.py``: ``python -m engine_core.workers.worker``, one rank's loop around vLLM's ``WorkerWrapperBase``;
+  ``replies.py``: its connections and replies (in call order; async outputs resolved off the loop)
 
 The message names both ends share (``EXECUTE_AND_SAMPLE``, ``STATS_METHOD``, ``TokensReply``)
 are in servectl/wire/worker.py. Importing this package imports no vLLM and no torch: what
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_core.workers.group import WorkerGroup, WorkerHung
-from engine_core.workers.pending_call import PendingCall, WorkerCallFailed
+from engine_core.workers.group import WorkerGroup
+from engine_core.workers.pending_call import PendingCall, WorkerCallFailed, WorkerHung
 from engine_core.workers.signing import Signer, read_key
 from engine_core.workers.step_calls import engine_batch_queue
 

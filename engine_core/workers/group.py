@@ -1,4 +1,4 @@
-"""The engine's handle on its workers: calls, the reply deadline, freezing.
+"""The engine's handle on its workers: calls in flight, their replies and the reply deadline.
 
 No vLLM and no torch here (``WorkerGroupExecutor`` in ``executor.py`` is the vLLM
 side), so the call logic is tested on its own against a worker double
@@ -28,16 +28,8 @@ deadline is published (``on_deadline``). Past the deadline the group is
 hung: every outstanding call fails with ``WorkerHung`` and the engine exits
 so the manager restarts the group. Nothing waits while nothing is in flight.
 
-Peers. Each rank's connection is made to a path in the runtime directory, which any
-process of the owner's uid could have bound instead (a relay that rewrites the unsigned
-``TokensReply``). So the peer of every connection (``SO_PEERCRED``) must be the process
-behind that rank's pidfd, which the manager passed in; any other is refused (closed,
-counted in ``refused_peers``, logged once per rank and pid) and the connection tried
-again, as for a worker not listening yet, until the call's deadline.
-
-Freezing. Idle workers are frozen (SIGSTOP through pidfds the manager passed
-in) and thawed (SIGCONT) before the next call; a group with a call in flight
-is never frozen. See ../shared/DESIGN.md "Frozen when idle".
+The connection to each rank (its peer checked against the rank's pidfd) and
+freezing are ``WorkerProcesses``, a part of ``WorkerGroup`` (processes.py).
 """
 
 from __future__ import annotations
@@ -45,7 +37,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 import socket
 import time
 from collections import OrderedDict
@@ -55,9 +46,9 @@ from typing import Any
 
 import zmq
 
-from engine_core.workers.link import (FrameError, FrameReader, peer_credentials, pidfd_pid, read_available,
-                                      send_frames)
-from engine_core.workers.pending_call import PendingCall
+from engine_core.workers.link import FrameError, FrameReader, read_available, send_frames
+from engine_core.workers.pending_call import PendingCall, WorkerHung
+from engine_core.workers.processes import WorkerProcesses
 from engine_core.workers.signing import BadSignature, Signer
 from engine_core.workers.spin import ENGINE_SPIN_ENV, QUEUED_SPIN_LEAD_S, spin_seconds
 from engine_core.workers.step_deadline import StepDeadline
@@ -66,22 +57,14 @@ from servectl.wire.worker import STEP_METHODS
 
 log = logging.getLogger("engine_core.executor")
 
-# How often the first call retries connecting to a worker that is not listening yet
-# (it binds its socket before importing vLLM; the engine's first call comes after its own).
-CONNECT_RETRY_S = 0.01
-
-
-class WorkerHung(RuntimeError):
-    pass
-
-
 def method_name(method: Any) -> str:
     return method if isinstance(method, str) else "<callable>"
 
 
 @dataclass
-class WorkerGroup:
-    """The engine's handle on its workers; set before LLMEngine is built."""
+class WorkerGroup(WorkerProcesses):
+    """The engine's handle on its workers; set before LLMEngine is built. Its connections to
+    the ranks and their freezing are ``WorkerProcesses`` (processes.py)."""
 
     worker_paths: list[str]
     pidfds: list[int]
@@ -138,74 +121,9 @@ class WorkerGroup:
         if self.deadlines is None:
             self.deadlines = StepDeadline(self.reply_timeout_s, self.step_floor_s, self.step_multiple)
 
-    def connect(self) -> None:
-        """Prepare one connection per rank; each is made by the first call (the worker may still be starting)."""
-        self.sockets = [None] * len(self.worker_paths)
-        self.readers = [FrameReader() for _ in self.worker_paths]
-        self.poller = zmq.Poller()  # it polls plain fds too
-        self.wake_poller = zmq.Poller()  # the same fds and the waker (wake_on)
-        self._registered_waker = None
-        self.rank_of: dict[int, int] = {}  # fd -> rank
-
     @property
     def ranks(self) -> int:
         return len(self.worker_paths)
-
-    def _connect_rank(self, rank: int, deadline: float) -> socket.socket:
-        path = self.worker_paths[rank]
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(path)
-                why = self._stranger(rank, sock)
-                if why is None:
-                    break
-                sock.close()
-                if self.clock() >= deadline:
-                    raise WorkerHung(f"worker rank {rank}: {why}")
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                sock.close()
-                if self.clock() >= deadline:
-                    raise WorkerHung(f"worker rank {rank} is not listening on {path}: {exc}") from None
-            # Only before the group's first call reaches a worker that is still starting
-            # (it listens before importing vLLM), bounded by that call's deadline.
-            self.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
-        self.sockets[rank] = sock
-        self.rank_of[sock.fileno()] = rank
-        self.poller.register(sock.fileno(), zmq.POLLIN)
-        self.wake_poller.register(sock.fileno(), zmq.POLLIN)
-        return sock
-
-    def _stranger(self, rank: int, sock: socket.socket) -> str | None:
-        """Why the peer of ``sock`` is not rank ``rank``'s worker, or None when it is (or no pidfd
-        was given for it to be checked against: the hop's unit tests' in-process doubles)."""
-        if not self.check_peers or rank >= len(self.pidfds):
-            return None
-        pid, uid, gid = peer_credentials(sock)
-        expected = pidfd_pid(self.pidfds[rank])
-        if expected is not None and pid == expected:
-            return None
-        self.refused_peers += 1
-        why = (f"refused the connection at {self.worker_paths[rank]}: its peer is pid {pid} (uid {uid}, gid {gid}), "
-               f"not the worker's pid {expected if expected is not None else '(exited)'}")
-        if (rank, pid) not in self._refusals_logged:
-            self._refusals_logged.add((rank, pid))
-            log.warning("worker rank %d: %s (%d refused so far); trying again", rank, why, self.refused_peers)
-        return why
-
-    def _drop_rank(self, rank: int) -> None:
-        sock = self.sockets[rank]
-        if sock is not None:
-            self.poller.unregister(sock.fileno())
-            self.wake_poller.unregister(sock.fileno())
-            self.rank_of.pop(sock.fileno(), None)
-            sock.close()
-            self.sockets[rank] = None
-            self.readers[rank] = FrameReader()
-
-    def close(self) -> None:
-        for rank in range(len(self.sockets)):
-            self._drop_rank(rank)
 
     def wake_on(self, sock: Any) -> None:
         """While ``sock`` is set, a message on it ends a wait for the workers early (None: only
@@ -226,28 +144,6 @@ class WorkerGroup:
     def reply_waiting(self) -> bool:
         """Whether a worker has sent something not read yet (a reply is in): no blocking."""
         return bool(self.poller.poll(0))
-
-    # ---- freezing ----------------------------------------------------------
-    def _signal_all(self, sig: int) -> None:
-        for fd in self.pidfds:
-            try:
-                signal.pidfd_send_signal(fd, sig)
-            except ProcessLookupError:
-                pass  # it died; the manager restarts the group
-
-    def freeze(self) -> bool:
-        """Stop the workers; never while a call is in flight. True if frozen now."""
-        if not self.frozen and self.pidfds and not self.outstanding:
-            self._signal_all(signal.SIGSTOP)
-            self.frozen = True
-            self.on_freeze_change(True)
-        return self.frozen
-
-    def thaw(self) -> None:
-        if self.frozen:
-            self._signal_all(signal.SIGCONT)
-            self.frozen = False
-            self.on_freeze_change(False)
 
     # ---- calls ----------------------------------------------------------------
     def call(self, method: str | bytes, args: tuple, kwargs: dict | None,

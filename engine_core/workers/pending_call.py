@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine_core.workers.group import WorkerGroup
+from typing import Any, Protocol
 
 log = logging.getLogger("engine_core.executor")
+
+
+class WorkerHung(RuntimeError):
+    """A worker is hung or gone: every call in flight fails with it, and the engine exits so
+    the manager restarts the group."""
 
 
 class WorkerCallFailed(RuntimeError):
@@ -26,6 +28,13 @@ class WorkerCallFailed(RuntimeError):
     def __init__(self, message: str, permanent: str | None = None):
         super().__init__(message)
         self.permanent = permanent
+
+
+class Waits(Protocol):
+    """What a call needs of its group (``WorkerGroup``): one wait for the workers' replies,
+    which settles the calls whose replies are all in."""
+
+    def wait_once(self) -> None: ...
 
 
 class PendingCall:
@@ -44,7 +53,7 @@ class PendingCall:
 
     _NOT_SET = object()
 
-    def __init__(self, group: "WorkerGroup", call_id: int, method: str, ranks: int, timeout_s: float,
+    def __init__(self, group: Waits, call_id: int, method: str, ranks: int, timeout_s: float,
                  pick: int | None, tokens: int | None = None, kinds: frozenset[str] = frozenset()):
         self.group = group
         self.call_id = call_id
