@@ -17,7 +17,7 @@ So, apart (docs/operations.md, "Several hosts"):
 - ``/kv_event_sources``: where each engine publishes vLLM's KV-cache events,
   as ``vllm serve`` answers it (replica index → vLLM's ``KVEventsConfig``) for
   ``?model=NAME`` or a host serving one model; ``{model: {...}}`` for several.
-  Behind the API keys when there are any (app.py's ``KEYED_PATHS``); the
+  Behind the API keys when there are any (middleware.py's ``KEYED_PATHS``); the
   other two are open, as ``/health``.
 """
 
