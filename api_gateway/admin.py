@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -22,13 +22,13 @@ from aiohttp import web
 
 from api_gateway.errors import HttpError
 from api_gateway.http_policy import is_json_content_type
-from api_gateway.keys import Access, RefusalBudget, bearer_token, fingerprint
+from api_gateway.engines import EngineLink
+from api_gateway.keys import Access, KeyRing, RefusalBudget, bearer_token, fingerprint
 from api_gateway.link_state import LinkState
+from api_gateway.manager_link import ManagerLink
+from api_gateway.served import ServedModel
 from servectl.wire import control as MP
 from servectl.wire.spawn import model_of
-
-if TYPE_CHECKING:
-    from api_gateway.app import Gateway
 
 log = logging.getLogger("api_gateway.admin")
 
@@ -68,8 +68,17 @@ class UnloadLoraBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+class AdminHost(Protocol):
+    """What the management routes need of their gateway."""
+
+    manager: ManagerLink  # the manager's control socket (ask, report) and its events (changed)
+    keys: KeyRing  # the keys in force (a reload replaces them)
+    links: dict[str, EngineLink]  # by engine group
+    served: dict[str, ServedModel]  # by the name requests use
+
+
 class AdminRoutes:
-    def __init__(self, gateway: "Gateway"):
+    def __init__(self, gateway: AdminHost):
         self.gw = gateway
         self.refusals = RefusalBudget()
         self.timeout_s = 10.0  # for the manager's answer to what it answers at once (beyond a verb's wait)

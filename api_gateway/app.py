@@ -4,46 +4,44 @@ The listening socket is the manager's (passed with ``pass_fds``), so a gateway
 that dies leaves the accept queue to its siblings. Requests are validated by
 msgspec types, admitted (drain, per-model queue limit), routed by ``model``
 to that engine and answered whole or streamed back as SSE (generate.py).
-This module holds the HTTP side: handlers, middleware, lifecycle, ``main``.
+This module holds the process: ``main``, its links, the route table, the
+plain handlers (health, models, version, metrics, completions and chat, the
+tokenizer routes), its run and drain. Middleware: middleware.py; admission
+and the tokenizer questions: admission.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import itertools
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
 import time
 from pathlib import Path
 
-import msgspec
 import zmq.asyncio
 from aiohttp import web
 
 from api_gateway import openai_types as H
-from api_gateway.admin import LORA_PATHS, AdminRoutes
-from api_gateway.errors import (EngineRequestError, EngineUnavailable, HttpError, error_body, http_error_body,
-                                refused_by_engine, unavailable)
+from api_gateway.admin import AdminRoutes
+from api_gateway.admission import Admission
 from api_gateway.bodies import read_body
-from api_gateway.logfields import escape
+from api_gateway.errors import HttpError
 from api_gateway.generate import Generator
-from api_gateway.input_bounds import check_input
 from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner, raise_fd_limit
-from api_gateway.keys import Access, KeyRing, bearer_token
+from api_gateway.keys import KeyRing
 from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
+from api_gateway.middleware import Middleware
+from api_gateway.passthrough import ApiEndpoints
 from api_gateway.probes import Probes
+from api_gateway.served import ServedModel
+from api_gateway.translate import check_messages, normalize_prompts
 from api_gateway.ui import UiRoutes
-from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, ApiEndpoints, anthropic_error_body, check_kind
-from api_gateway.served import ServedModel, prefix_key
-from api_gateway.translate import check_logit_bias, check_messages, generate_messages, normalize_prompts
 from servectl import __version__
 from servectl.paths import RuntimePaths
 from servectl.wire import control as MP
@@ -52,27 +50,11 @@ from servectl.wire.spawn import GatewaySpec, gateway_component, gateway_identity
 from servectl.wire.vocab import DEGRADED, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway")
-access_log = logging.getLogger("api_gateway.access")
-
-# Outside /v1 but guarded by the API keys like it (vLLM's tokenizer and pooling endpoints; where
-# the KV-cache events are, which say what the engines cache).
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/kv_event_sources", *POOLING_PATHS})
 
 
-def error_response(exc: HttpError, path: str = "") -> web.Response:
-    """The error in the shape of the API asked: Anthropic's on /v1/messages, else OpenAI's."""
-    body = anthropic_error_body(exc) if path.startswith(MESSAGES_PREFIX) else http_error_body(exc)
-    resp = web.Response(status=exc.status, body=body, content_type="application/json", headers=exc.headers)
-    if exc.status in (408, 413):
-        resp.force_close()  # the body was not read: the connection cannot carry another request
-    return resp
+class Gateway(Admission):
+    """One gateway process: its links to the manager and the engines, its routes, its run."""
 
-
-# An X-Request-Id we echo back and log: a client's, if it is plain enough, else our own.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
-
-
-class Gateway:
     def __init__(self, spec: GatewaySpec):
         self.spec = spec
         self.cfg = spec.gateway
@@ -101,6 +83,7 @@ class Gateway:
         self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
+        self.front = Middleware(self.hosts, self.cors, self.metrics, lambda: self.keys)
         self.created = int(time.time())
         # Set by SIGTERM/SIGINT, or when a long-lived task died past its restarts (task_died).
         self.stop = asyncio.Event()
@@ -133,107 +116,11 @@ class Gateway:
         # Unique across gateway processes: index, pid, random salt, counter.
         return f"{self.id_prefix}-{next(self.ids)}"
 
-    # ---- middleware ---------------------------------------------------------------------
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
-        started = time.monotonic()
-        rid = request.headers.get("X-Request-Id", "")
-        if not _REQUEST_ID.fullmatch(rid):
-            rid = secrets.token_hex(8)
-        request["request_id"] = rid
-        request["log"] = {}
-        try:
-            if not self.hosts.allows(request.headers.get("Host")):
-                raise HttpError(421, f"this server does not answer for host {request.headers['Host']!r} "
-                                     "(gateway.allowed_hosts)", code="misdirected_request")
-            origin = request.headers.get("Origin")
-            if request.method == "OPTIONS" and self.cors.allows(origin) and \
-                    "Access-Control-Request-Method" in request.headers:
-                response = web.Response(status=204, headers=self.cors.preflight_headers(
-                    origin, request.headers.get("Access-Control-Request-Headers")))
-            else:
-                if not self.keys.api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
-                        and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
-                    self.check_auth(request)
-                response = await handler(request)
-        except asyncio.CancelledError:
-            # The client went away (aiohttp cancels the handler): whatever it ran is aborted.
-            self.access(request, 499, started, rid)
-            raise
-        except HttpError as exc:
-            response = error_response(exc, request.path)
-        except web.HTTPException as exc:
-            status = exc.status
-            message = {404: f"no route for {request.method} {request.path}",
-                       405: f"method {request.method} not allowed on {request.path}"}.get(status, exc.reason)
-            response = web.Response(status=status, body=error_body(status, message, "invalid_request_error"),
-                                    content_type="application/json",
-                                    headers={k: v for k, v in exc.headers.items() if k == "Allow"})
-        except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            response = error_response(HttpError(500, "internal error", "internal_error"), request.path)
-        if not response.prepared:
-            response.headers["X-Request-Id"] = rid
-            response.headers.update(request.get("extra_headers", {}))
-        self.access(request, 499 if request["log"].get("client") == "gone" else response.status, started, rid)
-        return response
-
-    def access(self, request: web.Request, status: int, started: float, rid: str) -> None:
-        """The access log line (every client-given field escaped) and the request counter."""
-        info = request["log"]
-        access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
-                        escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
-                        info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
-                        (time.monotonic() - started) * 1000, rid)
-        self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
-                                     status=str(status)).inc()
-
-    def check_auth(self, request: web.Request) -> None:
-        # Header values arrive decoded with surrogateescape: encode them back the same way,
-        # so bytes that are not UTF-8 are just a wrong key.
-        header = request.headers.get("Authorization")
-        # Anthropic's SDK sends its key as x-api-key (`vllm serve` reads only Authorization).
-        token = bearer_token(header.encode("utf-8", "surrogateescape")) if header is not None else \
-            request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
-        if self.keys.access(token) is Access.NONE:  # an admin key is an API key too
-            raise HttpError(401, "missing or invalid API key (send `Authorization: Bearer <key>` or `x-api-key`)",
-                            "authentication_error", code="invalid_api_key",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-    async def add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Every answer to an allowed origin says so (streams too: this runs as headers go out)."""
-        origin = request.headers.get("Origin")
-        if self.cors.allows(origin):
-            for name, value in self.cors.headers(origin).items():
-                response.headers.setdefault(name, value)
-
-    # ---- body parsing ---------------------------------------------------------------------
+    # ---- handlers --------------------------------------------------------------------------
     async def read_json(self, request: web.Request, endpoint: str):
         """(the validated request, the supported fields as sent): bodies.read_body."""
         return await read_body(request, self.cfg, endpoint)
 
-    def model_for(self, model: str | None) -> str:
-        """The model a request names; without a name, the one served model (as `vllm serve`)."""
-        if model is not None:
-            return model
-        if len(self.served) == 1:
-            return next(iter(self.served))
-        raise HttpError(400, f"name the model: several are served ({', '.join(sorted(self.served))})",
-                        param="model")
-
-    def link_for(self, model: str) -> ServedModel:
-        """The model a request names: that model, or, for a LoRA adapter, its model (the request
-        keeps the adapter's name: the engine applies the adapter)."""
-        served = self.served.get(model) or self.adapter_link(model)
-        if served is None:
-            raise HttpError(404, f"model {model!r} not found; served: {', '.join(sorted(self.served))}",
-                            param="model", code="model_not_found")
-        return served
-
-    def adapter_link(self, name: str) -> ServedModel | None:
-        return next((m for m in self.served.values() if any(lora.name == name for lora in m.loras)), None)
-
-    # ---- handlers --------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         wanted = request.query.get("model")
         links = self.served
@@ -309,74 +196,6 @@ class Gateway:
         self.check_chat_input(req.model, forward)
         return await self.serve(request, req, forward, None, chat=True)
 
-    def check_chat_input(self, model: str | None, forward: dict) -> None:
-        """Messages the model's context cannot hold, or too many of them: a 400 before the engine
-        renders them with the chat template on its only thread (api_gateway/input_bounds.py)."""
-        link = self.link_for(self.model_for(model))
-        check_input("chat", forward, link.max_model_len, link.max_prompt_chars, self.cfg.max_input_items)
-
-    # ---- admission --------------------------------------------------------------------------
-    async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
-                    chat: bool) -> web.StreamResponse:
-        req.model = self.model_for(req.model)
-        check_logit_bias(req.logit_bias)
-        request["log"]["model"] = req.model
-        link = self.link_for(req.model)
-        if self.draining:
-            raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        # Admission counts sequences (prompts × n), the engine's unit of work (a chat is one prompt).
-        n, count = req.n or 1, 1 if prompts is None else len(prompts)
-        seqs = count * n
-        cap = self.cfg.max_sequences_per_request
-        if seqs > cap:
-            raise HttpError(400, f"{count} prompt(s) × n={n} is {seqs} sequences; at most {cap} per "
-                                 "request", param="prompt" if count > 1 else "n", code="too_many_sequences")
-        self.check_room(link, seqs)
-        # The response id, as vLLM's: the X-Request-Id header (when plain), else the body's
-        # request_id, else ours.
-        header = request.headers.get("X-Request-Id")
-        base = header if header and header == request["request_id"] else req.request_id or self.new_request_id()
-        gens = generate_messages(forward, prompts, self.new_request_id)
-        # (a request the engine cannot take is a 400 here)
-        run = self.generator.run(link, gens, n, prefix_key(forward))
-        with self.admitted(link, seqs):
-            hold = functools.partial(self.hold, link, seqs, req.model, request.path)
-            if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
-                return await self.generator.respond(request, req, run, chat, base, hold)
-            await hold()
-            return await self.generator.respond(request, req, run, chat, base)
-
-    async def hold(self, link: ServedModel, seqs: int, model: str, path: str) -> None:
-        """Until the model's engine is ready to take the request (held while it loads), then
-        whether the model does what the route asks; a 503 or a 400 (HttpError) otherwise."""
-        try:
-            await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
-        except EngineUnavailable as exc:
-            raise unavailable(exc) from None
-        check_kind(model, link.supported_tasks, path)
-
-    def check_room(self, link: ServedModel, seqs: int) -> None:
-        """Per gateway process: sequences beyond what the engine runs at once are capped. A
-        request alone in the queue is always admitted (it fits the per-request cap)."""
-        if link.queued() > 0 and link.queued(seqs) > self.cfg.max_waiting_per_model:
-            raise HttpError(429, f"too many requests waiting for model {link.model!r} "
-                                 f"(limit {self.cfg.max_waiting_per_model} sequences)", "rate_limit_error",
-                            code="too_many_waiting", headers={"Retry-After": "1"})
-
-    @contextlib.contextmanager
-    def admitted(self, link: ServedModel, seqs: int):
-        """Admitted work: counted for the model (its queue cap) and for the drain."""
-        self.in_flight += 1
-        link.admitted += seqs
-        self.idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            link.admitted -= seqs
-            if self.in_flight == 0:
-                self.idle.set()
-
     # ---- tokenizer endpoints (vLLM's; answered by the model's engine) -------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
         req, forward = await self.read_json(request, "tokenize")
@@ -394,34 +213,11 @@ class Gateway:
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         return await self.ask_tokenizer(request, request.query.get("model"), "tokenizer_info", {})
 
-    async def ask_tokenizer(self, request: web.Request, model: str | None, kind: str, body: dict) -> web.Response:
-        model = self.model_for(model)
-        link = self.link_for(model)
-        request["log"]["model"] = model
-        if self.draining:
-            raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        # Admitted as one sequence: tokenising is the engine's work too (a flood of them waits
-        # in, and is capped by, the model's queue like generation).
-        self.check_room(link, 1)
-        try:
-            with self.admitted(link, 1):
-                await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), 1)
-                engine = link.pick()
-                if engine is None:
-                    raise EngineUnavailable(f"model {model!r} is restarting")
-                answer = await engine.tokenizer(EP.Tokenizer(request_id=self.new_request_id(), kind=kind,
-                                                           body=body), self.cfg.output_timeout_s)
-        except EngineUnavailable as exc:
-            raise unavailable(exc) from None
-        except EngineRequestError as exc:
-            raise refused_by_engine(exc) from None
-        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
-
     # ---- lifecycle ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(middlewares=[self.front.middleware], client_max_size=self.cfg.max_body_bytes)
         if self.cors.enabled:
-            app.on_response_prepare.append(self.add_cors_headers)
+            app.on_response_prepare.append(self.front.add_cors_headers)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_handler)

@@ -2,7 +2,7 @@
 
 Pure (msgspec only, no aiohttp, no zmq), so translate.py and the unit tests
 can raise and inspect them without a server. The aiohttp response around a
-body is made by the middleware in app.py.
+body is made by the middleware in middleware.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``RequestRun.deltas`` (sequences.py) yields the engine's deltas for every
 prompt of a request. ``complete`` and ``stream`` feed them to a
-``ResponseAccumulator`` and write its body or its chunks. A client that goes
+``ResponseAccumulator`` and write its body or its chunks (``ChunkFraming``, for
+the stream loop every streamed route shares: sse.py's ``stream_answer``). A client that goes
 away (aiohttp cancels the handler) or stops reading a stream for
 ``body_timeout_s`` ends its request, and leaving ``deltas`` aborts its
 sequences in the engine.
@@ -23,7 +24,7 @@ from api_gateway.errors import HttpError, http_error_body
 from api_gateway.metrics import Metrics
 from api_gateway.sequences import RequestRun
 from api_gateway.served import ServedModel
-from api_gateway.sse import SseAnswer, after, client_gone, gone_response
+from api_gateway.sse import stream_answer
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
 
@@ -68,40 +69,7 @@ class Generator:
 
     async def stream(self, request: web.Request, req, run: RequestRun, acc: ResponseAccumulator,
                      hold=None) -> web.StreamResponse:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
-        started = time.monotonic()
-        sse = SseAnswer(request, after(hold, run.deltas()), self.cfg.sse_keep_alive_interval, self.cfg.body_timeout_s)
-
-        async def send(obj) -> None:
-            await sse.write(b"data: " + H.encoder.encode(obj) + b"\n\n")
-
-        try:
-            try:
-                item = await sse.next_item()  # an error before the headers: a plain error response
-                run.whole_answer = False  # from now on the client sees the answer as it comes
-                await sse.open()
-                while item is not None:
-                    for chunk in acc.chunks(acc.add(*item), created):
-                        await send(chunk)
-                    item = await sse.next_item()
-                if include_usage:
-                    await send(acc.usage_chunk(created))
-                self.observe(request, req.model, acc, started)
-            except HttpError as exc:
-                if not sse.opened:
-                    raise
-                # A failure after the headers: an SSE error event in OpenAI's shape, then [DONE].
-                await sse.close()
-                await sse.write(b"data: " + http_error_body(exc) + b"\n\n")
-            finally:
-                await sse.close()  # the end, the client gone, a write timeout: aborts what is left
-            await sse.write(b"data: [DONE]\n\n")
-            assert sse.resp is not None
-            await sse.resp.write_eof()
-        except (ConnectionError, TimeoutError):
-            client_gone(request)
-        return gone_response(sse)
+        return await stream_answer(request, run, hold, self.cfg, ChunkFraming(self, request, req, acc))
 
     def observe(self, request: web.Request, model: str, acc: ResponseAccumulator, started: float) -> None:
         """The access log's token counts and the latency metrics of one finished request."""
@@ -120,3 +88,33 @@ class Generator:
             m.ttft.labels(model=model).observe(first_token - started)
             if completion > 1:
                 m.itl.labels(model=model).observe((now - first_token) / (completion - 1))
+
+
+class ChunkFraming:
+    """A completion or chat stream as vLLM writes it (sse.py's ``Framing``): ``data: <chunk>``
+    for each chunk, the usage chunk when the client asked for it, a failure in OpenAI's error
+    shape, then ``data: [DONE]``."""
+
+    done = b"data: [DONE]\n\n"
+
+    def __init__(self, generator: Generator, request: web.Request, req, acc: ResponseAccumulator):
+        self.generator = generator
+        self.request = request
+        self.req = req
+        self.acc = acc
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.created = int(time.time())
+        self.started = time.monotonic()
+
+    def frames(self, item) -> list[bytes]:
+        acc, created = self.acc, self.created
+        return [b"data: " + H.encoder.encode(chunk) + b"\n\n" for chunk in acc.chunks(acc.add(*item), created)]
+
+    def end(self) -> bytes:
+        return b"data: " + H.encoder.encode(self.acc.usage_chunk(self.created)) + b"\n\n" if self.include_usage else b""
+
+    def finished(self) -> None:
+        self.generator.observe(self.request, self.req.model, self.acc, self.started)
+
+    def error(self, exc: HttpError) -> bytes:
+        return b"data: " + http_error_body(exc) + b"\n\n"  # then [DONE]

@@ -8,7 +8,7 @@
   check applies only when ``allowed_hosts`` is set; ``"*"`` turns it off.
 - **CORS** (``CorsPolicy``): off unless ``gateway.cors_origins`` lists
   origins (or ``"*"``). Requests with a body must be ``application/json``
-  (app.py), which a page can only send after a preflight that this policy
+  (bodies.py), which a page can only send after a preflight that this policy
   answers: with no origins configured, no page can.
 """
 

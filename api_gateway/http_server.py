@@ -7,7 +7,7 @@
   at that time (from its opening, or the end of its previous response), and
   data trickling in does not extend it. So it is ``header_timeout_s`` (and how
   long an idle keep-alive connection stays open). The body's deadline is the
-  handler's (``body_timeout_s`` in app.py); after answering a body that did
+  handler's (``body_timeout_s`` in bodies.py); after answering a body that did
   not arrive, aiohttp reads what still comes for ``lingering_time`` before it
   closes, bounded by the same timeout.
 - Connections are capped (``gateway.max_connections``; by default the

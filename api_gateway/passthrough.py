@@ -17,7 +17,8 @@ naming the endpoints that fit.
 
 Errors keep each API's shape: OpenAI's on ``/v1/responses``, Anthropic's
 (``{"type": "error", "error": {...}}``) on ``/v1/messages``; a failure after a
-stream began is the API's ``error`` event.
+stream began is the API's ``error`` event. A stream is written by the loop every
+streamed route shares (sse.py's ``stream_answer``), framed by ``EventFraming``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import time
 from aiohttp import web
 
 from api_gateway.bodies import read_body
-from api_gateway.errors import EngineUnavailable, HttpError, unavailable
+from api_gateway.errors import HttpError
 from api_gateway.input_bounds import check_input, check_sequences, pooling_sequences
 from api_gateway.served import prefix_key
-from api_gateway.sse import SseAnswer, after, client_gone, gone_response
+from api_gateway.sse import stream_answer
 from servectl.wire import engine as EP
 
 MESSAGES_PREFIX = "/v1/messages"
@@ -143,37 +144,8 @@ class ApiEndpoints:
         return web.Response(body=body.encode(), content_type="application/json")
 
     async def stream(self, request: web.Request, kind: str, run, model: str, hold=None) -> web.StreamResponse:
-        g = self.gateway
-        started = time.monotonic()
-        counts = Counts()
-        sse = SseAnswer(request, after(hold, run.deltas()), g.cfg.sse_keep_alive_interval, g.cfg.body_timeout_s)
-        events = 0
-
-        try:
-            try:
-                item = await sse.next_item()  # an error before the headers: a plain error response
-                run.whole_answer = False  # from now on the client sees the answer as it comes
-                await sse.open()
-                while item is not None:
-                    d = item[1]
-                    counts.add(d)
-                    if d.api_output:
-                        events += d.api_output.count("\n\n")  # one JSON line per event: no blank line inside
-                        await sse.write(d.api_output.encode())
-                    item = await sse.next_item()
-                counts.observe(g, request, model, started)
-            except HttpError as exc:
-                if not sse.opened:
-                    raise
-                await sse.close()
-                await sse.write(error_event(kind, exc, events).encode())
-            finally:
-                await sse.close()
-            assert sse.resp is not None
-            await sse.resp.write_eof()
-        except (ConnectionError, TimeoutError):
-            client_gone(request)
-        return gone_response(sse)
+        framing = EventFraming(self.gateway, request, kind, model)
+        return await stream_answer(request, run, hold, self.gateway.cfg, framing)
 
 
 def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:
@@ -184,6 +156,39 @@ def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:
         data = {"type": "error", "code": str(exc.code or exc.status), "message": exc.message, "param": exc.param,
                 "sequence_number": sequence_number}
     return f"event: error\ndata: {json.dumps(data)}\n\n"
+
+
+class EventFraming:
+    """A Responses or Messages stream (sse.py's ``Framing``): vLLM's events as the engine made
+    them (``Delta.api_output``), a failure as the API's ``error`` event, no ``[DONE]``."""
+
+    done = b""
+
+    def __init__(self, gateway, request: web.Request, kind: str, model: str):
+        self.gateway = gateway
+        self.request = request
+        self.kind = kind
+        self.model = model
+        self.started = time.monotonic()
+        self.counts = Counts()
+        self.events = 0  # written so far: an error event's sequence_number
+
+    def frames(self, item) -> tuple[bytes, ...]:
+        d = item[1]
+        self.counts.add(d)
+        if d.api_output:
+            self.events += d.api_output.count("\n\n")  # one JSON line per event: no blank line inside
+            return (d.api_output.encode(),)
+        return ()
+
+    def end(self) -> bytes:
+        return b""
+
+    def finished(self) -> None:
+        self.counts.observe(self.gateway, self.request, self.model, self.started)
+
+    def error(self, exc: HttpError) -> bytes:
+        return error_event(self.kind, exc, self.events).encode()
 
 
 class Counts:

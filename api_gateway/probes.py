@@ -17,25 +17,22 @@ So, apart (docs/operations.md, "Several hosts"):
 - ``/kv_event_sources``: where each engine publishes vLLM's KV-cache events,
   as ``vllm serve`` answers it (replica index → vLLM's ``KVEventsConfig``) for
   ``?model=NAME`` or a host serving one model; ``{model: {...}}`` for several.
-  Behind the API keys when there are any (app.py's ``KEYED_PATHS``); the
+  Behind the API keys when there are any (middleware.py's ``KEYED_PATHS``); the
   other two are open, as ``/health``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
 from api_gateway.errors import HttpError
 from api_gateway.link_state import LinkState
+from api_gateway.served import ServedModel
 from servectl.proc import PARENT_ENV
 from servectl.wire.vocab import DEGRADED, IDLE_RELEASED, ModelState
-
-if TYPE_CHECKING:
-    from api_gateway.app import Gateway
-    from api_gateway.served import ServedModel
 
 # The states in which a model takes new requests at once, or wakes for them.
 READY_STATES = frozenset({ModelState.READY, DEGRADED, *IDLE_RELEASED})
@@ -54,8 +51,15 @@ def model_readiness(served: ServedModel) -> dict:
     return body
 
 
+class ProbeHost(Protocol):
+    """What the probes read of their gateway."""
+
+    served: dict[str, ServedModel]  # by the name requests use
+    draining: bool  # refusing new work
+
+
 class Probes:
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: ProbeHost):
         self.g = gateway
         self.manager_pid = int(os.environ.get(PARENT_ENV) or os.getppid())
         # Set when the manager says the host is stopping: /ready fails, requests are still served.

@@ -1,5 +1,6 @@
-"""A streamed answer's pieces (generate.py's chat and completion streams, passthrough.py's
-Responses and Messages streams): its response, bounded writes, and keep-alive comments.
+"""Every streamed answer's loop (``stream_answer``: generate.py's chat and completion streams,
+passthrough.py's Responses and Messages streams, each with its ``Framing``) and its pieces:
+its response, bounded writes, and keep-alive comments.
 
 A stream that has nothing to send for ``sse_keep_alive_interval`` seconds — held while its
 model loads, queued, in prefill, or resumed after an engine restart — gets vLLM's keep-alive
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Protocol
 
 from aiohttp import web
+
+from api_gateway.errors import HttpError
+from servectl.config import GatewayConfig
 
 # vLLM's text (vllm/entrypoints/serve/utils/sse_keep_alive.py: SSE_KEEP_ALIVE_COMMENT).
 KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
@@ -170,3 +174,60 @@ class SseAnswer:
             with contextlib.suppress(BaseException):
                 await task
         await self.items.aclose()  # type: ignore[attr-defined]
+
+
+class Framing(Protocol):
+    """One API's stream format: what ``stream_answer`` writes for each item, at the end, and for
+    a failure after the headers."""
+
+    done: bytes  # written last, after the answer or its error event (b"": nothing)
+
+    def frames(self, item) -> Iterable[bytes]:
+        """An item's events (none, one or more), each written as it is."""
+
+    def end(self) -> bytes:
+        """Written after the last item (b"": nothing)."""
+
+    def finished(self) -> None:
+        """The answer went out whole (its access log fields, its metrics)."""
+
+    def error(self, exc: HttpError) -> bytes:
+        """A failure after the headers, as the API's error event."""
+
+
+async def stream_answer(request: web.Request, run, hold: Callable[[], Awaitable[None]] | None,
+                        cfg: GatewayConfig, framing: Framing) -> web.StreamResponse:
+    """A streamed answer, the same for every route: ``run``'s deltas (``RequestRun``), after
+    ``hold`` (the wait for the model) under keep-alive comments, each written as ``framing``
+    frames it. An error before the headers is raised (a plain error response); one after them
+    is the API's error event. A client that goes away or reads nothing for ``body_timeout_s``
+    ends the answer, and leaving ``run.deltas`` aborts its sequences in the engine."""
+    sse = SseAnswer(request, after(hold, run.deltas()), cfg.sse_keep_alive_interval, cfg.body_timeout_s)
+    frames = framing.frames
+    try:
+        try:
+            item = await sse.next_item()  # an error before the headers: a plain error response
+            run.whole_answer = False  # from now on the client sees the answer as it comes
+            await sse.open()
+            while item is not None:
+                for data in frames(item):
+                    await sse.write(data)
+                item = await sse.next_item()
+            last = framing.end()
+            if last:
+                await sse.write(last)
+            framing.finished()
+        except HttpError as exc:
+            if not sse.opened:
+                raise
+            await sse.close()
+            await sse.write(framing.error(exc))
+        finally:
+            await sse.close()  # the end, the client gone, a write timeout: aborts what is left
+        if framing.done:
+            await sse.write(framing.done)
+        assert sse.resp is not None
+        await sse.resp.write_eof()
+    except (ConnectionError, TimeoutError):
+        client_gone(request)
+    return gone_response(sse)

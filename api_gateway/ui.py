@@ -39,21 +39,21 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import parse_qs
 
 import msgspec
 from aiohttp import web
 
+from api_gateway.admin import AdminRoutes
 from api_gateway.errors import HttpError
 from api_gateway.http_policy import host_name, is_loopback_name
 from api_gateway.http_server import connection_cap
 from api_gateway.keys import Access, KeyRing, fingerprint
+from api_gateway.manager_link import ManagerLink
 from api_gateway.ui_hub import WRITE_TIMEOUT_S, Page, UiHub, sse, stream_cap
+from servectl.config import GatewayConfig
 from servectl.wire import control as MP
-
-if TYPE_CHECKING:
-    from api_gateway.app import Gateway
 
 log = logging.getLogger("api_gateway.ui")
 
@@ -111,14 +111,23 @@ class Sessions:
         return self._mac("csrf:" + token, scope)[:32]
 
 
+class UiHost(Protocol):
+    """What the status page needs of its gateway."""
+
+    cfg: GatewayConfig
+    keys: KeyRing  # the keys in force (a reload replaces them)
+    admin: AdminRoutes  # the buttons are its control messages, their refusals its audit
+    manager: ManagerLink  # its events and status (UiHub)
+
+
 class UiRoutes:
     write_timeout_s = WRITE_TIMEOUT_S
 
-    def __init__(self, gateway: Gateway, secret: str = "", instance: str = ""):
+    def __init__(self, gateway: UiHost, secret: str = "", instance: str = ""):
         self.g = gateway
         self.sessions = Sessions(bytes.fromhex(secret) if secret else secrets.token_bytes(32))
         self.cookie = f"{COOKIE}_{instance[:8]}" if instance else COOKIE
-        self.hub = UiHub(gateway)
+        self.hub = UiHub(gateway.manager)
         gateway.manager.on_event = self.hub.on_event
 
     def add_to(self, app: web.Application) -> None:

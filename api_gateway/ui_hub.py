@@ -17,15 +17,12 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from api_gateway.manager_link import ManagerLink
 from servectl.wire import control as MP
 from servectl.wire.spawn import model_of
-
-if TYPE_CHECKING:
-    from api_gateway.app import Gateway
 
 log = logging.getLogger("api_gateway.ui")
 
@@ -141,8 +138,9 @@ class Rates:
 class UiHub:
     """The pages open on this gateway and what they are sent."""
 
-    def __init__(self, gateway: Gateway):
-        self.g = gateway
+    def __init__(self, manager: ManagerLink):
+        # The manager's link: its status and log tails asked, its engine links and served models.
+        self.manager = manager
         self.pages: set[Page] = set()
         self.events: deque[bytes] = deque(maxlen=EVENTS_KEPT)
         self.poke = asyncio.Event()  # an event came: sample now
@@ -226,7 +224,7 @@ class UiHub:
                 await self.follow_log(page)
 
     async def follow_log(self, page: Page) -> None:
-        reply = await self.g.manager.ask(MP.LogTail(component=page.log_component, after=page.log_after), 5.0)
+        reply = await self.manager.ask(MP.LogTail(component=page.log_component, after=page.log_after), 5.0)
         if not isinstance(reply, MP.LogLines):
             return
         if not reply.known:  # not now (a replica being rolled): said once, asked again next time
@@ -236,7 +234,7 @@ class UiHub:
             return
         if page.log_after < 0 or reply.written < page.log_after:  # back, or a new process of that name
             page.log_after = 0
-            reply = await self.g.manager.ask(MP.LogTail(component=page.log_component, after=0), 5.0)
+            reply = await self.manager.ask(MP.LogTail(component=page.log_component, after=0), 5.0)
             if not isinstance(reply, MP.LogLines):
                 return
         if reply.lines or page.log_after == 0:
@@ -244,11 +242,11 @@ class UiHub:
         page.log_after = reply.written
 
     async def snapshot(self) -> dict:
-        st = await self.g.manager.ask(MP.StatusRequest(), 5.0)
+        st = await self.manager.ask(MP.StatusRequest(), 5.0)
         if not isinstance(st, MP.StatusReply):
             raise RuntimeError("the manager gave no status")
         now = time.monotonic()
-        links = list(self.g.links.items())
+        links = list(self.manager.links.items())
         texts = await asyncio.gather(*(link.engine_metrics(0.5) for _, link in links))
         figures: dict[str, dict[str, float]] = {}
         for (group, _), text in zip(links, texts):
@@ -258,7 +256,7 @@ class UiHub:
         models: dict[str, dict] = {}
         for m in st.models:
             name = model_of(m.name)
-            served = self.g.served.get(name)
+            served = self.manager.models.get(name)
             f = figures.get(name, {})
             rate = self.tokens.rate(name, f.get("tokens", 0.0), now)
             entry = models.setdefault(name, {

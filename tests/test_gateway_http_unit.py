@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from api_gateway.engines import YIELD_EVERY
+from api_gateway.engine_requests import YIELD_EVERY
 from gateway_harness import run
 from servectl.wire import engine as EP
 

@@ -21,7 +21,8 @@ from gateway_harness import served
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_gateway.engines import EngineLink, LinkState, RequestStream
+from api_gateway.engine_requests import RequestStream
+from api_gateway.engines import EngineLink, LinkState
 from api_gateway.errors import EngineUnavailable
 from api_gateway.metrics import merge_exposition
 from engine_core import metrics as engine_metrics

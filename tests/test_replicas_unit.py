@@ -212,7 +212,7 @@ def test_a_request_a_draining_engine_bounces_goes_elsewhere_and_marks_it_drainin
     async def scenario():
         one = link("chat@0")
         sink: asyncio.Queue = asyncio.Queue()
-        from api_gateway.engines import RequestStream
+        from api_gateway.engine_requests import RequestStream
         from servectl.wire import engine as EP
 
         one.streams["r1"] = RequestStream("r1", sink, unfinished=2)

@@ -182,7 +182,7 @@ def test_a_request_to_the_wrong_kind_of_model_names_the_endpoints_that_fit():
 
 
 def test_the_pooling_routes_outside_v1_take_the_api_keys():
-    from api_gateway.app import KEYED_PATHS
+    from api_gateway.middleware import KEYED_PATHS
     from api_gateway.passthrough import POOLING_PATHS
 
     assert {p for p in POOLING_PATHS if not p.startswith(("/v1/", "/v2/"))} <= KEYED_PATHS
