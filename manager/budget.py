@@ -27,14 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Protocol
 
+from manager.start_gate import StartGate
+from servectl import config as C
 from servectl.memory import Amount, Estimate, fmt_size
 from servectl.wire import control as P
 from servectl.wire.vocab import ModelState
-
-if TYPE_CHECKING:
-    from manager.group import EngineGroup
 
 log = logging.getLogger("manager")
 
@@ -129,8 +128,31 @@ class Eviction(NamedTuple):
     at: float
 
 
+class GateHost(Protocol):
+    start_gate: StartGate  # a model waiting for its devices already counts as loaded
+
+
+class Budgeted(Protocol):
+    """What the budget reads and does with one engine group (manager/group.py's EngineGroup)."""
+
+    name: str
+    state: ModelState
+    cfg: C.ModelConfig  # its pinned flag
+    host: GateHost
+    footprint_bytes: int | None
+    footprint_source: str
+    estimate: Estimate | None  # made once, here
+    idle_since: float | None
+    release_refused: bool
+    freezing: bool
+
+    def evict(self, reason: str) -> bool: ...
+    def wake(self) -> None: ...
+    def start(self) -> None: ...
+
+
 class Budget:
-    def __init__(self, cap: int | None, groups: dict[str, "EngineGroup"], labels=lambda g: ("cpu",),
+    def __init__(self, cap: int | None, groups: dict[str, Budgeted], labels=lambda g: ("cpu",),
                  memory: Mapping[str, Amount] | None = None, totals: Mapping[str, int] | None = None,
                  estimate=lambda g: Estimate(None, "")):
         self.cap = cap
@@ -141,7 +163,7 @@ class Budget:
         self.unresolved: list[str] = []  # labels budgeted as a fraction of a device of unknown size
         self.set_memory(memory or {})
         self.estimate = estimate  # a group's footprint before its first load (servectl/memory.py)
-        self.waiting: list["EngineGroup"] = []  # need room, in the order they asked
+        self.waiting: list[Budgeted] = []  # need room, in the order they asked
         self.releasing: str | None = None  # the model being released for them
         self.retry_scheduled = False
         self.last_eviction: Eviction | None = None
@@ -164,7 +186,7 @@ class Budget:
     def active(self) -> bool:
         return self.cap is not None or bool(self.limits)
 
-    def footprint(self, group: "EngineGroup") -> Footprint:
+    def footprint(self, group: Budgeted) -> Footprint:
         """What the group holds per device: measured at its last load, else estimated."""
         if group.footprint_bytes is not None:
             return Footprint(group.footprint_bytes, True, group.footprint_source)
@@ -172,21 +194,21 @@ class Budget:
         group.estimate = est
         return Footprint(est.bytes, False, est.source)
 
-    def loaded(self, besides: "EngineGroup | None" = None) -> list["EngineGroup"]:
+    def loaded(self, besides: "Budgeted | None" = None) -> list[Budgeted]:
         return [g for g in self.groups.values() if g is not besides and g.state in LOADED]
 
-    def holdings(self, group: "EngineGroup") -> list[Holding]:
+    def holdings(self, group: Budgeted) -> list[Holding]:
         """Models loaded, or admitted and waiting for their devices, other than ``group`` — and
         other than those waiting for room (a crashed one among them holds nothing meanwhile)."""
         return [Holding(g.name, self.labels(g), self.footprint(g).bytes, g.state in LEAVING)
                 for g in self.groups.values() if g is not group and g not in self.waiting and
                 (g.state in LOADED or g.host.start_gate.is_waiting(g))]
 
-    def short(self, group: "EngineGroup", holdings: list[Holding] | None = None) -> Short | None:
+    def short(self, group: Budgeted, holdings: list[Holding] | None = None) -> Short | None:
         held = self.holdings(group) if holdings is None else holdings
         return shortfall(self.labels(group), self.footprint(group).bytes, self.cap, held, self.limits)
 
-    def unfit(self, group: "EngineGroup") -> str | None:
+    def unfit(self, group: Budgeted) -> str | None:
         """Why the model can never be loaded under the budgets (alone, it is larger), or None."""
         fp = self.footprint(group)
         why = too_large(self.labels(group), fp.bytes, self.limits)
@@ -196,19 +218,19 @@ class Budget:
                   f"estimated: {fp.source}; raise the budget, or set the model's expected_memory")
         return f"model {group.name} does not fit the memory budget even alone: it {why} ({advice})"
 
-    def room_at_start(self, group: "EngineGroup") -> str | None:
+    def room_at_start(self, group: Budgeted) -> str | None:
         """None: the model fits beside those already started; else why it stays released."""
         short = self.short(group)
         if short is None:
             return None
         return "no room at start: " + self.describe(group, short)
 
-    def describe(self, group: "EngineGroup", short: Short) -> str:
+    def describe(self, group: Budgeted, short: Short) -> str:
         held = self.holdings(group)
         used = {label: used_on(held, label) for label in short.labels}
         return short.reason(self.cap, self.footprint(group).bytes, used, self.limits)
 
-    def admit(self, group: "EngineGroup") -> str | None:
+    def admit(self, group: Budgeted) -> str | None:
         """None: ``group`` may start now; else why it waits (it is started once there is room).
         First come, first served among models that compete for the same room (the cap, or a
         device they share): one is admitted only once those that asked before it are."""
@@ -230,7 +252,7 @@ class Budget:
                 + (f"; releasing {self.releasing}, the least recently used" if self.releasing else
                    "; none can be released now (pinned, or a request in flight)"))
 
-    def competes(self, a: "EngineGroup", b: "EngineGroup") -> bool:
+    def competes(self, a: Budgeted, b: Budgeted) -> bool:
         """Whether two models need the same room: the cap (global), or a device they share."""
         return self.cap is not None or bool(set(self.labels(a)) & set(self.labels(b)) & set(self.limits))
 
@@ -277,11 +299,11 @@ class Budget:
                                     models=[name for ls, _, name in held if label in ls]) for label in labels],
             last_eviction=None if last is None else P.LastEviction(**last._asdict()))
 
-    def forget(self, group: "EngineGroup") -> None:
+    def forget(self, group: Budgeted) -> None:
         if group in self.waiting:
             self.waiting.remove(group)
 
-    def changed(self, group: "EngineGroup") -> None:
+    def changed(self, group: Budgeted) -> None:
         """A model's state changed: an eviction under way may be over, room may have come; the
         models that wait are tried again (soon, not inside this change)."""
         if self.releasing == group.name and (group.state not in LOADED or group.state is S.READY):

@@ -134,7 +134,7 @@ class Child:
 
     def _started(self, output_fd: int | None, pidfd: int) -> None:
         # A previous incarnation's pipe may still be open (a grandchild holds
-        # it): the manager stops watching and closes it (see Manager.watch).
+        # it): the manager stops watching and closes it (see ChildWatch.watch, manager/watch.py).
         self.stale_output_fd = self.output_fd
         self.output_fd = output_fd
         self.pidfd = pidfd

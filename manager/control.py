@@ -24,24 +24,25 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from manager import loras
 from manager.audit import (CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, RefusalLimiter, audit_record,
                            parse_peer_address)
+from manager.children import Child
+from manager.gateways import GatewayPool
+from manager.group import EngineGroup
+from manager.served import ServedModels
 from manager.verbs import ModelVerbs
-from servectl import config as C
 from servectl.paths import RuntimePaths
+from servectl.tasks import Tasks
 from servectl.wire import control as P
 from servectl.wire.spawn import ENGINE, GATEWAY, engine_identity, parse_component
-
-if TYPE_CHECKING:
-    from manager.daemon import Manager
 
 log = logging.getLogger("manager")
 
@@ -74,9 +75,29 @@ def peer_of(frame: zmq.Frame) -> Peer:
         return UNKNOWN
 
 
+class ControlHost(Protocol):
+    """What the control socket reads and asks of the Manager."""
+
+    state_dir: Path  # its audit log
+    tasks: Tasks  # a verb's (or reload's) answer waits in one
+    groups: Mapping[str, EngineGroup]  # where the children's reports go
+    gateways: GatewayPool
+    served: ServedModels  # LoRA and freezing changes
+    verbs: ModelVerbs  # load, unload, restart
+    shutting_down: bool
+
+    def status(self) -> P.StatusReply: ...
+    def settled(self) -> bool: ...
+    def check_settled(self) -> None: ...
+    def child(self, component: str) -> Child | None: ...
+    def on_step_deadline(self, group: EngineGroup) -> None: ...
+    def request_shutdown(self, timeout_s: float | None = None) -> None: ...
+    async def reload(self) -> tuple[bool, str]: ...
+
+
 class ControlServer:
-    def __init__(self, manager: "Manager", ctx: zmq.asyncio.Context):
-        self.manager = manager
+    def __init__(self, host: ControlHost, ctx: zmq.asyncio.Context):
+        self.host = host
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A restarted engine comes back as `engine:<model>`; if the old
@@ -89,10 +110,9 @@ class ControlServer:
         for sock in (self.sock, self.ro):
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.owners = {os.geteuid(), 0}
-        self.audit = AuditLog(manager.state_dir / "audit.log")
+        self.audit = AuditLog(host.state_dir / "audit.log")
         self.refusals = RefusalLimiter()  # per peer: a flood of refusals is counted, not written
         self.settled_waiters: list[Caller] = []
-        self.verbs = ModelVerbs(manager, lambda coro, name: manager.tasks.start(coro, name))
         self.handlers = {
             P.ChildReady: self.on_child_ready,
             P.GroupFrozen: self.on_group_frozen,
@@ -180,7 +200,7 @@ class ControlServer:
         (the engine killed) or a readiness."""
         if pid is None:
             return False
-        m = self.manager
+        m = self.host
         if isinstance(msg, FROM_GATEWAYS):
             return pid in m.gateways.pids()
         if isinstance(msg, P.ChildReady):
@@ -200,9 +220,6 @@ class ControlServer:
         so only the loop's own I/O can) and shuts the manager down past its restarts."""
         return [("control loop", lambda: self._serve(self.sock, "control")),
                 ("control-ro loop", lambda: self._serve(self.ro, "control-ro"))]
-
-    async def serve(self) -> None:
-        await asyncio.gather(*(factory() for _, factory in self.loops()))
 
     async def _serve(self, sock: zmq.asyncio.Socket, via: str) -> None:
         while True:
@@ -245,98 +262,95 @@ class ControlServer:
     def notify_settled(self) -> None:
         waiters, self.settled_waiters = self.settled_waiters, []
         for caller in waiters:
-            self.reply(caller, self.manager.status())
+            self.reply(caller, self.host.status())
 
-    # ---- from children ---------------------------------------------------------------
+    # ---- from children (engines; gateways: hung, wake, keys) ------------------------------
     def on_child_ready(self, caller: Caller, msg: P.ChildReady) -> None:
         name = parse_component(msg.component)
-        if name is None:
-            return
-        if name.kind == ENGINE:
-            group = self.manager.groups.get(name.model)
+        if name is not None and name.kind == ENGINE:
+            group = self.host.groups.get(name.model)
             if group is not None and group.engine.pid == msg.pid:
                 group.on_ready(msg)
-        elif name.kind == GATEWAY:
-            self.manager.gateways.on_ready(msg, name.index)
-            self.manager.check_settled()
+        elif name is not None and name.kind == GATEWAY:
+            self.host.gateways.on_ready(msg, name.index)
+            self.host.check_settled()
 
     def on_group_frozen(self, caller: Caller, msg: P.GroupFrozen) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None:
             group.on_frozen(msg.frozen, msg.idle_since)
 
     def on_group_drained(self, caller: Caller, msg: P.GroupDrained) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None:
             group.on_drained(msg.incarnation)
 
     def on_group_hung(self, caller: Caller, msg: P.GroupHung) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None and group.kill_hung(msg.incarnation):
             log.error("model %s: a gateway saw no output in time; the group is hung, restarting it", msg.model)
 
     def on_engine_failed(self, caller: Caller, msg: P.EngineFailed) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None and caller.ident == engine_identity(msg.model):  # from that model's engine only
             group.on_engine_failed(msg.incarnation, msg.reason)
         self.reply(caller, P.Ack(ok=True))  # the engine exits once it has this
 
     def on_step_deadline(self, caller: Caller, msg: P.StepDeadlineChanged) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None and caller.ident == engine_identity(msg.model) and msg.incarnation == group.incarnation:
             group.step_deadline_s = msg.seconds
-            self.manager.on_step_deadline(group)
+            self.host.on_step_deadline(group)
 
     def on_keys_applied(self, caller: Caller, msg: P.KeysApplied) -> None:
         name = parse_component(msg.component)
         if name is not None and name.kind == GATEWAY:
-            self.manager.gateways.on_keys_applied(msg, name.index)
+            self.host.gateways.on_keys_applied(msg, name.index)
 
     def on_group_idle(self, caller: Caller, msg: P.GroupIdle) -> None:
-        group = self.manager.groups.get(msg.model)
-        if group is not None and not self.manager.shutting_down:
+        group = self.host.groups.get(msg.model)
+        if group is not None and not self.host.shutting_down:
             group.on_idle(msg.incarnation, msg.idle_s)
 
     def on_group_released(self, caller: Caller, msg: P.GroupReleased) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None:
             group.on_released(msg)
 
     def on_lora_done(self, caller: Caller, msg: P.LoraDone) -> None:
-        group = self.manager.groups.get(msg.model)
+        group = self.host.groups.get(msg.model)
         if group is not None:
             group.on_lora_done(msg)
 
-    # ---- from gateways --------------------------------------------------------------------
     def on_wake_model(self, caller: Caller, msg: P.WakeModel) -> None:
-        group = self.manager.groups.get(msg.model)
-        if group is not None and not self.manager.shutting_down:
+        group = self.host.groups.get(msg.model)
+        if group is not None and not self.host.shutting_down:
             group.wake()
 
     # ---- from the CLI --------------------------------------------------------------------
     def on_status(self, caller: Caller, msg: P.StatusRequest) -> None:
-        self.reply(caller, self.manager.status())
+        self.reply(caller, self.host.status())
 
     def on_log_tail(self, caller: Caller, msg: P.LogTail) -> None:
-        child = self.manager.child(msg.component)
+        child = self.host.child(msg.component)
         if child is None:
             self.reply(caller, P.LogLines(component=msg.component, lines=[], written=0, known=False))
             return
-        sink = child.sink
-        self.reply(caller, P.LogLines(component=msg.component, lines=sink.since(msg.after), written=sink.written))
+        self.reply(caller, P.LogLines(component=msg.component, lines=child.sink.since(msg.after),
+                                      written=child.sink.written))
 
     def on_wait_settled(self, caller: Caller, msg: P.WaitSettled) -> None:
-        if self.manager.settled() and not self.manager.shutting_down:
-            self.reply(caller, self.manager.status())
+        if self.host.settled() and not self.host.shutting_down:
+            self.reply(caller, self.host.status())
         else:
             self.settled_waiters.append(caller)
 
     def on_stop(self, caller: Caller, msg: P.StopRequest) -> None:
         self.reply(caller, P.Ack(ok=True, message="stopping"))
-        self.manager.request_shutdown(msg.timeout_s)
+        self.host.request_shutdown(msg.timeout_s)
 
     def on_restart(self, caller: Caller, msg: P.RestartRequest) -> None:
-        self.answer_when_done(caller, self.verbs.restart(msg.model, msg.wait_s), f"restart {msg.model or 'all'}")
+        self.answer_when_done(caller, self.host.verbs.restart(msg.model, msg.wait_s), f"restart {msg.model or 'all'}")
 
     def answer_when_done(self, caller: Caller, verb: Coroutine, name: str) -> None:
         """A model verb's answer, sent when its change is done (manager/verbs.py) or the caller's
@@ -348,20 +362,21 @@ class ControlServer:
                 self.reply(caller, P.Ack(ok=False, message="the daemon is stopping"))
                 raise
 
-        self.manager.tasks.start(run(), name)
+        self.host.tasks.start(run(), name)
 
     def on_reload(self, caller: Caller, msg: P.ReloadRequest) -> None:
         async def run() -> None:
-            ok, message = await self.manager.reload()
+            ok, message = await self.host.reload()
             self.reply(caller, P.Ack(ok=ok, message=message))  # once applied, not before
 
-        self.manager.tasks.start(run(), "reload")
+        self.host.tasks.start(run(), "reload")
 
     def on_load(self, caller: Caller, msg: P.LoadModel) -> None:
-        self.answer_when_done(caller, self.verbs.load(msg.model.name, msg.model, msg.wait_s), f"load {msg.model.name}")
+        verb = self.host.verbs.load(msg.model.name, msg.model, msg.wait_s)
+        self.answer_when_done(caller, verb, f"load {msg.model.name}")
 
     def on_load_configured(self, caller: Caller, msg: P.LoadConfigured) -> None:
-        self.answer_when_done(caller, self.verbs.load(msg.name, None, msg.wait_s), f"load {msg.name}")
+        self.answer_when_done(caller, self.host.verbs.load(msg.name, None, msg.wait_s), f"load {msg.name}")
 
     def on_http_refused(self, caller: Caller, msg: P.HttpRefused) -> None:
         """A gateway's refusal of a management call: recorded, nothing else (no reply)."""
@@ -371,30 +386,14 @@ class ControlServer:
         self.audit.write(record)
 
     def on_unload(self, caller: Caller, msg: P.UnloadModel) -> None:
-        self.answer_when_done(caller, self.verbs.unload(msg.name, msg.wait_s), f"unload {msg.name}")
+        self.answer_when_done(caller, self.host.verbs.unload(msg.name, msg.wait_s), f"unload {msg.name}")
 
     def on_lora_change(self, caller: Caller, msg: P.LoadLora | P.UnloadLora) -> None:
         """Load or unload a LoRA adapter; answered once the model's engine has done it (or refused)."""
-        m = self.manager
-
         async def run() -> None:
-            self.reply(caller, await loras.change(m.groups, msg, P.LORA_CHANGE_TIMEOUT_S,
-                                                  frozenset(m.configured), m.lora_changes,
-                                                  m.settings.lora_roots))
+            self.reply(caller, await self.host.served.change_lora(msg))
 
-        m.tasks.start(run(), type(msg).__name__)
+        self.host.tasks.start(run(), type(msg).__name__)
 
     def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:
-        groups = self.manager.groups_of(msg.model)
-        if not groups:
-            self.reply(caller, self.no_model(msg.model))
-            return
-        for group in groups:
-            group.freezing = msg.enabled
-            self.manager.send_to_engine(group, P.FreezingControl(
-                enabled=msg.enabled, grace_s=self.manager.settings.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S))
-        self.reply(caller, P.Ack(ok=True, message=f"freezing {'on' if msg.enabled else 'off'} for {msg.model}"))
-
-    def no_model(self, name: str) -> P.Ack:
-        served = dict.fromkeys(g.model for g in self.manager.groups.values())
-        return P.Ack(ok=False, message=f"no model {name!r}; served: {', '.join(served)}")
+        self.reply(caller, self.host.served.set_freezing(msg.model, msg.enabled))

@@ -8,17 +8,19 @@ late event never drags a group backwards.
 
 The group talks to its supervisor through a narrow interface (``GroupHost``):
 settings, where logs go, the child environment, watching a child, publishing,
-sending to its engine, waiting for exits, and the standby pool.
+sending to its engine, waiting for exits, and the standby pool. Its members'
+launch is manager/launch.py's, its LoRA calls in flight manager/lora_calls.py's;
+what its engine says once it serves, its release and its wake are
+manager/group_release.py's (``ReleaseAndWake``, mixed in: the same object, the
+same one setter).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -27,29 +29,19 @@ import msgspec
 
 from manager.budget import Budget
 from manager.children import Child, ChildState, RestartPolicy
+from manager.group_release import ReleaseAndWake
+from manager.launch import launch, member_envs
+from manager.lora_calls import LoraCalls
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
-from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
 from servectl.memory import has_accelerator
 from servectl.tasks import Tasks
 from servectl.wire import control as P
-from servectl.wire.vocab import IDLE_RELEASED, ExitCode, IdleMode, ModelState
-from servectl.wire.spawn import (ENGINE, REPLICA_MARK, WORKER, EngineSpec, Role, engine_component, fd_ref,
-                                 group_name, log_file_name, resolve_fd_args, spec_fd, worker_component)
+from servectl.wire.vocab import IDLE_RELEASED, ExitCode, ModelState
+from servectl.wire.spawn import ENGINE, WORKER, engine_component, group_name, log_file_name, worker_component
 
 log = logging.getLogger("manager")
-
-# What every engine and worker gets: no hub lookups for local paths, no usage
-# reporting thread, vLLM's engine in-process (we are its multiprocessing).
-ENGINE_ENV = {
-    **C.ENGINE_OFFLINE_ENV,  # `config check` and `start` check hub ids against the local cache for it
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "TORCHINDUCTOR_COMPILE_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 # The model's state is the group's: the wire's one spelling of it.
@@ -111,7 +103,7 @@ class GroupHost(Protocol):
     async def wait_exit(self, children: list[Child], grace_s: float) -> None: ...
 
 
-class EngineGroup:
+class EngineGroup(ReleaseAndWake):
     def __init__(self, cfg: C.ModelConfig, host: GroupHost, replica: int = 0, name: str | None = None):
         # The model as configured (every replica's), and this group's share of it: its devices.
         self.model_cfg = cfg
@@ -168,8 +160,7 @@ class EngineGroup:
         # those unloaded; each start's engine loads these (EngineSpec.loras), so they outlive
         # crashes, idle releases and reloads that keep the model.
         self.loras: list[C.LoraModule] = [lora for lora in cfg.lora_modules if isinstance(lora, C.LoraModule)]
-        # LoRA changes sent to this incarnation's engine and not answered yet: call id -> its answer.
-        self.lora_calls: dict[int, asyncio.Future] = {}
+        self.lora_calls = LoraCalls()  # changes sent to this incarnation's engine, not answered yet
 
     def _member(self, component: str, kind: str) -> Child:
         return Child(component, kind, self.name, self.host.log_dir / log_file_name(component),
@@ -218,16 +209,8 @@ class EngineGroup:
 
     # ---- starting -------------------------------------------------------------------
     def member_envs(self) -> tuple[dict[str, str], list[dict[str, str]]]:
-        """The engine's environment and each rank's (their standbys get the same): a worker's
-        OpenMP threads and CPUs as vLLM's executor would choose them (worker_cpus.py)."""
-        base = self.host.child_env(ENGINE_ENV | self.cfg.env)
-        if self.cfg.devices is not None:
-            base["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
-        worker_envs = [base | omp for omp in
-                       cpu_worker_envs(self.cfg.tensor_parallel_size, has_accelerator(), base)]
-        engine_env = dict(base)
-        engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
-        return engine_env, worker_envs
+        """The engine's environment and each rank's (manager/launch.py); its standbys get the same."""
+        return member_envs(self.cfg, self.host)
 
     def start(self) -> None:
         """Workers first (the engine gets their pidfds), each with the group key on a pipe; once
@@ -251,202 +234,17 @@ class EngineGroup:
         self.killed_hung = False  # this incarnation's engine was killed as hung (kill_hung)
         self.step_deadline_s = None  # a new engine lifetime is cold until it publishes its own
         self.start_began = time.monotonic()
-        key = secrets.token_bytes(32)
-        root = str(self.host.runtime_dir)
-        engine_env, worker_envs = self.member_envs()
-        for rank, worker in enumerate(self.workers):
-            self._launch(worker, "engine_core.workers.worker",
-                         ["--model", self.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
-                         [], key, worker_envs[rank])
-        m = self.host.settings
         idle = self.idle_policy
         self.release_mode = idle.mode
         if self.events_slot is None:
             self.events_slot = self.host.events_slot(self)
-        # The spec carries the model's env (tokens): a memfd, never the argv.
-        spec = spec_fd(EngineSpec(
-            model=self.cfg, runtime_dir=root, incarnation=self.incarnation, freezing=self.freezing,
-            freeze_grace_s=m.freeze_grace_s or C.DEFAULT_FREEZE_GRACE_S,
-            worker_reply_timeout_s=m.worker_reply_timeout_s, idle_release_s=idle.after_s,
-            idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
-            step_deadline_floor_s=m.step_deadline_floor_s,
-            max_body_bytes=self.host.gateway_cfg.max_body_bytes, loras=list(self.loras), group=self.name,
-            replica=int(self.name.partition(REPLICA_MARK)[2] or 0), events_slot=self.events_slot),
-            "servectl-engine-spec")
-        pidfds = [w.pidfd for w in self.workers]
-        try:
-            self._launch(self.engine, "engine_core",
-                         ["--key-fd", fd_ref(0), "--spec-fd", fd_ref(1),
-                          "--worker-pidfds", ",".join(fd_ref(i + 2) for i in range(len(pidfds)))],
-                         [spec, *pidfds], key, engine_env)
-        finally:
-            os.close(spec)
-
-    def _launch(self, member: Child, module: str, args: list[str], extra_fds: list[int], key: bytes,
-                env: dict[str, str]) -> None:
-        """Hand the role to the member's warm standby if one fits, else exec it cold."""
-        fd = key_pipe(key)
-        fds = [fd, *extra_fds]
-        try:
-            standby = self.host.standbys.take(member.component, env)
-            if standby is not None and self.host.standbys.hand_over(standby, member, Role(module=module, argv=args),
-                                                                     fds):
-                return
-            member.spawn([sys.executable, "-m", module, *resolve_fd_args(args, fds)], env, tuple(fds))
-            self.host.watch(member)
-        finally:
-            os.close(fd)
-
-    def park(self, why: str = "autostart = false") -> None:
-        """Configured and listed, started by its first request (WakeModel): autostart = false, or
-        no room at start (max_loaded_models, memory_budget)."""
-        self._swap({S.STOPPED}, S.RELEASED, f"{why}: starts on its first request")
-
-    def refuse_if_unfit(self) -> bool:
-        """True (and the model stays released, saying why) if it cannot fit its memory budget
-        even alone: no start is tried, its requests are refused."""
-        unfit = self.host.budget.unfit(self)
-        changed = unfit != self.unfit
-        self.unfit = unfit
-        if unfit is None:
-            if changed:
-                if self.state in IDLE_RELEASED:
-                    self.reason = None  # (it said why it did not fit)
-                self.host.on_group_change(self)  # the gateways hold its requests again
-            return False
-        if changed:
-            log.warning("%s", unfit)
-        self.host.budget.forget(self)  # it waits for no room: none will do
-        self.host.start_gate.forget(self)
-        if self.restart_timer is not None:
-            self.restart_timer.cancel()
-            self.restart_timer = None
-        if not self._swap({S.STOPPED, S.BACKOFF, S.FAILED}, S.RELEASED, unfit) and (changed or self.reason != unfit):
-            self.reason = unfit
-            self.host.on_group_change(self)
-        return True
-
-    def on_ready(self, msg: P.ChildReady) -> None:
-        """The engine serves: built (a start) or awake again (a wake from sleep)."""
-        if msg.incarnation != self.incarnation or self.state is not S.STARTING:
-            return
-        mode = msg.idle_release
-        if mode is not None:
-            if mode != self.release_mode:
-                log.warning("model %s: idle_release = %r is not available here (vLLM has no sleep mode on this "
-                            "platform); an idle model is unloaded instead", self.name, str(self.release_mode))
-            self.release_mode = mode
-        self.device_memory_bytes = msg.device_memory_bytes
-        if msg.footprint_bytes is not None:
-            self.footprint_bytes, self.footprint_source = msg.footprint_bytes, msg.footprint_source
-            beyond = self.host.budget.unfit(self)
-            if beyond is not None:
-                log.warning("%s; it serves now, but once released it is not loaded again", beyond)
-        if msg.loras is not None:
-            dropped = {lora.name for lora in self.loras} - {lora.name for lora in msg.loras}
-            if dropped:
-                log.warning("model %s: LoRA adapter(s) %s could not be loaded again; no longer served "
-                            "(details: servectl logs %s)", self.name, ", ".join(sorted(dropped)), self.engine.component)
-            self.loras = list(msg.loras)
-        if self.start_began is not None:
-            took, self.start_began = time.monotonic() - self.start_began, None
-            self.start_s = max(self.start_s or 0.0, took)
-        self._enter(S.READY)
-        self.host.standbys.refill(self)
-
-    def on_frozen(self, frozen: bool, idle_since: float | None = None) -> None:
-        """The engine froze (or thawed) its workers between steps."""
-        if self.state is not S.READY or not self.engine.alive:
-            return
-        self.frozen = frozen
-        self.idle_since = idle_since if frozen else None
-        if frozen:
-            self.release_refused = False  # idle now: it may be asked to make room again
-        for worker in self.workers:
-            if worker.alive:
-                worker.set(ChildState.FROZEN if frozen else ChildState.READY)
-        self.host.on_group_change(self)
-
-    # ---- idle release --------------------------------------------------------------------
-    def on_idle(self, incarnation: str, idle_s: float) -> None:
-        """The engine has been idle for idle_release_s: ask it to give its memory back."""
-        idle = self.idle_policy
-        if incarnation != self.incarnation or idle.after_s <= 0 or not self._swap(
-                {S.READY}, S.RELEASING, f"idle for {idle_s:.1f}s"):
-            return
-        log.info("model %s: idle for %.1fs; releasing it (%s)", self.name, idle_s, self.release_mode)
-        self.host.send_to_engine(self, P.Release(mode=self.release_mode, level=idle.sleep_level))
-
-    def on_released(self, msg: P.GroupReleased) -> None:
-        """The engine's answer to Release."""
-        if msg.incarnation != self.incarnation or self.state is not S.RELEASING:
-            return
-        if not msg.released:
-            log.info("model %s: a request came in; not released", self.name)
-            self.release_refused = True
-            self._enter(S.READY)
-            return
-        self.device_memory_bytes = msg.device_memory_bytes
-        if msg.mode == IdleMode.SLEEP:
-            self._enter(S.ASLEEP, f"asleep (vLLM sleep mode level {self.idle_policy.sleep_level})")
-            log.info("model %s: asleep", self.name)
-            if self.wake_wanted:
-                self.wake()
-            return
-
-        async def unload() -> None:
-            # Same configuration on the next start: the standbys fit, so they stay.
-            await self.stop(self.host.settings.stop_grace_s, keep_standbys=True, then=S.RELEASED)
-            log.info("model %s: released (unloaded; %d standby(s) kept)", self.name,
-                     len(self.host.standbys.of_model(self.name)))
-            if self.wake_wanted and self.state is S.RELEASED:
-                self.wake()
-
-        self.host.tasks.start(unload(), f"release {self.name}")
-
-    def evict(self, reason: str) -> bool:
-        """Release the model to make room for another (manager/budget.py), as its idle release
-        would: its engine refuses if a request is in flight. False: it is not serving now."""
-        if not self._swap({S.READY}, S.RELEASING, reason):
-            return False
-        log.info("model %s: %s; releasing it (%s)", self.name, reason, self.release_mode)
-        self.host.send_to_engine(self, P.Release(mode=self.release_mode, level=self.idle_policy.sleep_level))
-        return True
-
-    def wake(self) -> None:
-        """A gateway holds a request for this model: bring it back (idempotent)."""
-        if self.state is S.RELEASED:
-            log.info("model %s: woken by a request", self.name)
-            self.start()
-        elif self.state is S.ASLEEP:
-            if self.refuse_if_unfit():
-                return
-            waits = self.host.budget.admit(self)  # asleep it was not counted; awake it is
-            if waits is not None:
-                if self.reason != waits:
-                    self.reason = waits
-                    self.host.on_group_change(self)
-                return
-            log.info("model %s: waking from sleep", self.name)
-            self._enter(S.STARTING, "waking")
-            self.host.send_to_engine(self, P.Wake())
-        elif self.state in (S.RELEASING, S.STOPPING, S.EXITED):
-            self.wake_wanted = True  # acted on once the release (or the exit) is settled
+        launch(self, self.host, idle, secrets.token_bytes(32))
 
     # ---- LoRA adapters ---------------------------------------------------------------------
     async def change_lora(self, msg: P.AddLora | P.RemoveLora, timeout_s: float) -> P.LoraDone | None:
         """Send the engine a LoRA change and wait for its answer (None: the engine went away or
         did not answer in time). The answer's adapter list is the group's from then on."""
-        fut = self.lora_calls[msg.call_id] = asyncio.get_running_loop().create_future()
-        self.host.send_to_engine(self, msg)
-        try:
-            # event-proof: a bounded wait for one answer, armed only while this change is in flight.
-            done = await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            done = None
-        finally:
-            self.lora_calls.pop(msg.call_id, None)
-        return done
+        return await self.lora_calls.call(lambda m: self.host.send_to_engine(self, m), msg, timeout_s)
 
     def on_lora_done(self, msg: P.LoraDone) -> None:
         """The engine's answer: its adapters are the group's from now on (even one that came after
@@ -456,14 +254,7 @@ class EngineGroup:
         if msg.ok:
             self.loras = list(msg.loras)
             self.host.on_group_change(self)
-        fut = self.lora_calls.get(msg.call_id)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-
-    def _fail_lora_calls(self) -> None:
-        for fut in self.lora_calls.values():
-            if not fut.done():
-                fut.set_result(None)
+        self.lora_calls.answered(msg)
 
     # ---- exits ------------------------------------------------------------------------
     def on_engine_failed(self, incarnation: str, reason: str) -> None:
@@ -481,7 +272,7 @@ class EngineGroup:
         return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"
 
     def on_member_exit(self, child: Child) -> None:
-        self._fail_lora_calls()
+        self.lora_calls.fail_all()
         if self.state in (S.STOPPING, S.STOPPED, S.RELEASED):
             return  # asked for
         was = self.state
@@ -589,10 +380,3 @@ class EngineGroup:
         self.policy.reset()
         self.start()
 
-
-def key_pipe(key: bytes) -> int:
-    """A pipe holding the group key; returns the read end (to pass to a child)."""
-    r, w = os.pipe()
-    os.write(w, key)
-    os.close(w)
-    return r

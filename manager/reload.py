@@ -1,17 +1,32 @@
-"""What a reload changes: a pure function of the served configuration and the new one.
+"""A reload: what it changes (``plan_reload``, pure) and applying it (``Reloader``).
 
 ``servectl reload`` (or SIGHUP) re-reads the file and re-applies the start
 options; only the models that differ are touched (added ones started,
-removed ones drained and stopped, changed ones drained, stopped and started
-with the new configuration), and the gateways are replaced one by one only
-when the [gateway] section changed.
+removed ones drained and stopped, changed ones rolled out: manager/rollout.py),
+the manager's settings and budgets applied, and the gateways are replaced one
+by one only when the [gateway] section changed. One reload at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
+from manager.budget import Budget
+from manager.gateways import GatewayPool
+from manager.rollout import Rollout
+from manager.sdnotify import notify
+from manager.served import ServedModels
+from manager.standbys import StandbyPool
+from manager.start_gate import StartGate
 from servectl import config as C
+from servectl.memory import device_totals
+from servectl.model_check import check_model_paths
+
+log = logging.getLogger("manager")
 
 
 @dataclass(frozen=True)
@@ -40,3 +55,93 @@ def plan_reload(served: list[C.ModelConfig], gateway: C.GatewayConfig, new: C.Co
         gateway=new.gateway if new.gateway != gateway else None,
         manager=new.manager,
     )
+
+
+class ReloadHost(Protocol):
+    """What a reload reads and changes (the Manager)."""
+
+    config_path: str | None  # exactly the file it started with (None: the defaults)
+    overrides: C.Overrides
+    settings: C.ManagerConfig  # replaced by the new [manager] section
+    gateway_cfg: C.GatewayConfig
+    served: ServedModels
+    budget: Budget
+    start_gate: StartGate
+    standbys: StandbyPool
+    gateways: GatewayPool
+
+    def bind_failure(self, gateway: C.GatewayConfig, exc: OSError) -> str: ...
+
+
+class Reloader:
+    def __init__(self, host: ReloadHost):
+        self.host = host
+        self.rollout = Rollout(host.served, host.budget, host.start_gate)
+        self.lock = asyncio.Lock()
+
+    async def reload(self) -> tuple[bool, str]:
+        """Re-read the file, re-apply the start options, and apply only the difference; one
+        reload at a time (a second waits for the first: each compares with what is served)."""
+        async with self.lock:
+            return await self._reload()
+
+    async def _reload(self) -> tuple[bool, str]:
+        h, served = self.host, self.host.served
+        notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\nSTATUS=reloading")
+        try:
+            # Exactly the file it started with (none: the defaults), wherever reload is asked from.
+            new, _ = C.effective_config(h.config_path, h.overrides, search=False)
+        except C.ConfigError as exc:
+            log.error("reload refused: %s", exc)
+            notify("READY=1\nSTATUS=reload refused: config error")
+            return False, str(exc)
+        bad = check_model_paths(new, h.config_path, h.overrides)
+        if bad:
+            log.error("reload refused: %s", "; ".join(bad))
+            notify("READY=1\nSTATUS=reload refused: config error")
+            return False, "\n".join(bad)
+        # A model is changed while any of its groups differs from the file (a roll that stopped short).
+        wanted = {m.name: m for m in new.models}
+        now: dict[str, C.ModelConfig] = {}
+        for g in served.groups.values():
+            if g.model not in now or g.model_cfg != wanted.get(g.model):
+                now[g.model] = g.model_cfg
+        plan = plan_reload(list(now.values()), h.gateway_cfg, new)
+        clash = served.name_taken_by_adapter([*plan.added, *plan.changed])
+        if clash is not None:
+            log.error("reload refused: %s", clash)
+            notify("READY=1\nSTATUS=reload refused: a name is a LoRA adapter's")
+            return False, clash
+        log.info("reload: %s", plan.summary())
+        h.settings = plan.manager
+        h.budget.cap = plan.manager.max_loaded_models
+        if plan.manager.memory_budget and not h.budget.totals:
+            h.budget.totals = device_totals(h.start_gate.accelerator)
+        h.budget.set_memory(C.memory_budget(plan.manager))
+        for group in served.groups.values():  # a model too large for the old budget may fit the new
+            if group.unfit is not None:
+                group.refuse_if_unfit()
+        h.budget.retry()  # a raised (or removed) cap or budget lets waiting models start
+        served.configured = {m.name: m for m in new.models}
+        for name in plan.removed:
+            await served.remove_model(name)
+        for model in plan.added:
+            served.add_model(model)
+        ways = {}
+        for model in plan.changed:  # one after another: one start at a time per device anyway
+            ways[model.name] = await self.rollout.apply(model)
+        for group in served.groups.values():  # [manager] warm_standby may have changed
+            if h.settings.warm_standby:
+                h.standbys.refill(group)
+            else:
+                h.standbys.release_model(group.name)
+        if plan.gateway is not None:
+            try:
+                await h.gateways.replace(plan.gateway)
+            except OSError as exc:  # the new address cannot be bound: the gateways keep the old one
+                message = h.bind_failure(plan.gateway, exc)
+                log.error("reload: %s", message)
+                notify("READY=1\nSTATUS=serving; reload: gateway address refused")
+                return False, f"gateway not reloaded: {message}"
+        notify("READY=1\nSTATUS=serving")
+        return True, f"reloaded: {plan.summary()}" + "".join(f"; {name} {way}" for name, way in ways.items())

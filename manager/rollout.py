@@ -15,15 +15,14 @@ configuration (``config_id``: api_gateway/sequences.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from manager.budget import Budget
 from manager.group import EngineGroup, GroupState
+from manager.served import ServedModels
+from manager.start_gate import StartGate
 from servectl import config as C
 from servectl.memory import device_free, fmt_size
 from servectl.wire.spawn import REPLICA_MARK, group_name
-
-if TYPE_CHECKING:
-    from manager.daemon import Manager
 
 log = logging.getLogger("manager")
 S = GroupState
@@ -62,8 +61,10 @@ def room_to_roll(needed: int | None, labels: tuple[str, ...], short: str | None,
 
 
 class Rollout:
-    def __init__(self, manager: "Manager"):
-        self.m = manager
+    def __init__(self, served: ServedModels, budget: Budget, start_gate: StartGate):
+        self.m = served
+        self.budget = budget  # whether memory allows two copies
+        self.start_gate = start_gate
 
     async def apply(self, cfg: C.ModelConfig) -> str:
         """Bring a served model to ``cfg``; how it went: rolled, restarted, or kept (and why)."""
@@ -76,7 +77,7 @@ class Rollout:
                 await m.remove_group(was)  # one replica fewer
                 continue
             if was is None:  # one replica more
-                self._start(EngineGroup(cfg, m, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups))))
+                self._start(m.new_group(cfg, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups))))
                 continue
             if was.model_cfg == cfg or m.groups.get(was.name) is not was:
                 continue  # rolled by an earlier reload that stopped short; or gone meanwhile (an unload)
@@ -88,13 +89,14 @@ class Rollout:
 
     async def _replace(self, was: EngineGroup, cfg: C.ModelConfig, replica: int) -> str:
         m = self.m
-        new = EngineGroup(cfg, m, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups)))
+        new = m.new_group(cfg, replica, free_name(cfg.name, replica, cfg.replicas, set(m.groups)))
         why = None if was.state is S.READY else f"{was.name} is {was.state}"
         if why is None:
-            short = m.budget.short(new)
-            why = room_to_roll(m.budget.footprint(new).bytes, m.start_gate.labels(new),
-                               m.budget.describe(new, short) if short is not None else None, m.budget.active,
-                               device_free(m.start_gate.accelerator))
+            budget = self.budget
+            short = budget.short(new)
+            why = room_to_roll(budget.footprint(new).bytes, self.start_gate.labels(new),
+                               budget.describe(new, short) if short is not None else None, budget.active,
+                               device_free(self.start_gate.accelerator))
         if why is not None:
             log.info("reload: %s restarted with its new configuration (not rolled: %s)", was.name, why)
             await m.restart_group(was, cfg)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -23,10 +23,21 @@ from servectl import config as C
 from servectl.wire.spawn import Role, log_file_name, standby_component
 from servectl.wire.vocab import ModelState
 
-if TYPE_CHECKING:
-    from manager.group import EngineGroup
-
 log = logging.getLogger("manager")
+
+
+class Staffed(Protocol):
+    """What the pool reads of one engine group (manager/group.py's EngineGroup): its members
+    and their environments."""
+
+    name: str
+    state: ModelState
+    engine: Child
+    workers: list[Child]
+
+    @property
+    def children(self) -> list[Child]: ...
+    def member_envs(self) -> tuple[dict[str, str], list[dict[str, str]]]: ...
 
 
 class PoolHost(Protocol):
@@ -37,7 +48,7 @@ class PoolHost(Protocol):
     def watch(self, child: Child) -> None: ...
     def unwatch(self, child: Child) -> None: ...
     def on_child_change(self, child: Child, detail: str) -> None: ...
-    def group(self, model: str) -> "EngineGroup | None": ...
+    def group(self, model: str) -> Staffed | None: ...
 
 
 class StandbyPool:
@@ -56,7 +67,7 @@ class StandbyPool:
         return {s.popen.pid for s in [*self.waiting.values(), *self.released] if s.popen}
 
     # ---- filling ------------------------------------------------------------------
-    def refill(self, group: "EngineGroup") -> None:
+    def refill(self, group: Staffed) -> None:
         """One standby per member, exec'd once the group serves (never competing with its start)."""
         timer = self.timers.pop(group.name, None)
         if timer:

@@ -16,15 +16,22 @@ devices are free, in the order they asked. Wakes from sleep do not profile and d
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol
 
 from servectl import config as C
 from servectl.memory import CPU, device_labels  # noqa: F401 (CPU: the label of host memory)
 
-if TYPE_CHECKING:
-    from manager.group import EngineGroup
-
 log = logging.getLogger("manager")
+
+
+class Startable(Protocol):
+    """What the gate reads and does with one engine group (manager/group.py's EngineGroup)."""
+
+    name: str
+    cfg: C.ModelConfig  # its devices
+
+    def start(self) -> None: ...
+
 
 def blocker(labels: Iterable[str], starting: dict[str, tuple[str, ...]]) -> tuple[str, str] | None:
     """(model, label) of a start under way on one of ``labels``, or None: free to start. Pure."""
@@ -37,16 +44,16 @@ def blocker(labels: Iterable[str], starting: dict[str, tuple[str, ...]]) -> tupl
 
 
 class StartGate:
-    def __init__(self, accelerator: bool, groups: dict[str, "EngineGroup"] | None = None):
+    def __init__(self, accelerator: bool, groups: dict[str, Startable] | None = None):
         self.accelerator = accelerator
         self.groups = groups  # the served models (a group no longer among them is never started)
-        self.starting: dict["EngineGroup", tuple[str, ...]] = {}  # group -> its labels, while it starts
-        self.waiting: list["EngineGroup"] = []  # in the order they asked
+        self.starting: dict[Startable, tuple[str, ...]] = {}  # group -> its labels, while it starts
+        self.waiting: list[Startable] = []  # in the order they asked
 
-    def labels(self, group: "EngineGroup") -> tuple[str, ...]:
+    def labels(self, group: Startable) -> tuple[str, ...]:
         return device_labels(group.cfg, self.accelerator)
 
-    def admit(self, group: "EngineGroup") -> str | None:
+    def admit(self, group: Startable) -> str | None:
         """None: ``group`` may start now (its start is counted until ``done``); else why it waits
         (it is queued, and started by ``done`` once its devices are free)."""
         labels = self.labels(group)
@@ -60,7 +67,7 @@ class StartGate:
         model, label = held
         return f"waiting to start: model {model} is starting on device {label} (one start at a time per device)"
 
-    def done(self, group: "EngineGroup") -> None:
+    def done(self, group: Startable) -> None:
         """``group``'s start is over (ready, failed, stopped): start what waited for its devices."""
         if self.starting.pop(group, None) is None:
             return
@@ -76,10 +83,10 @@ class StartGate:
                 except Exception:  # its own failure (a spawn refused): not the caller's, nor the queue's
                     log.exception("model %s: starting it failed", waiting.name)
 
-    def forget(self, group: "EngineGroup") -> None:
+    def forget(self, group: Startable) -> None:
         """Stopped or removed while waiting: no longer started by ``done``."""
         if group in self.waiting:
             self.waiting.remove(group)
 
-    def is_waiting(self, group: "EngineGroup") -> bool:
+    def is_waiting(self, group: Startable) -> bool:
         return group in self.waiting

@@ -57,7 +57,7 @@ class Group(Protocol):
 
 
 class Served(Protocol):
-    """The served models, as the verbs change them (the Manager)."""
+    """The served models, as the verbs change them (manager/served.py's ServedModels)."""
 
     settings: C.ManagerConfig
     gateway_cfg: C.GatewayConfig
