@@ -13,6 +13,7 @@ import io
 import os
 import socket
 import types
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -222,7 +223,7 @@ def test_hub_ids_offline_must_be_in_the_local_cache(tmp_path):
     (snap / "config.json").write_text("{}")
     assert MC.model_path_problem("org/tiny", env) is None
     assert MC.model_path_problem("org/other", {**env, "HF_HUB_OFFLINE": "0"}) is None  # downloaded at load
-    assert MC.hf_hub_cache({"HF_HOME": "/h"}) == C.Path("/h/hub")
+    assert MC.hf_hub_cache({"HF_HOME": "/h"}) == Path("/h/hub")
 
 
 def test_check_model_paths_names_the_key_and_the_file_or_the_option(tmp_path):
