@@ -16,10 +16,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, NamedTuple
-
-if TYPE_CHECKING:
-    from servectl import config as C
+from typing import Any, Mapping, NamedTuple, Protocol
 
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -35,7 +32,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CPU = "cpu"
 
 
-def device_labels(model: "C.ModelConfig", accelerator: bool) -> tuple[str, ...]:
+class ModelSizing(Protocol):
+    """What of a model's configuration (servectl.config's ModelConfig) sizes it: the rules
+    here read these fields and know nothing else of the configuration."""
+
+    devices: str | list[str] | None
+    tensor_parallel_size: int
+    expected_memory: int | str | None
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+
+
+def device_labels(model: ModelSizing, accelerator: bool) -> tuple[str, ...]:
     """The devices a model's engine group uses, as labels. Pure."""
     # A replicated model's list: the first replica's (each replica's group has its own string).
     devices = model.devices[0] if isinstance(model.devices, list) else model.devices
@@ -146,7 +154,7 @@ class Estimate(NamedTuple):
     source: str  # how it was estimated, said beside the figure
 
 
-def estimate(model: "C.ModelConfig", accelerator: bool, device_total: int | None,
+def estimate(model: ModelSizing, accelerator: bool, device_total: int | None,
              checkpoint: int | None) -> Estimate:
     """A model's footprint per device before its engine measured one. Pure."""
     if model.expected_memory is not None:

@@ -1,6 +1,6 @@
 """Whether a configured model can be served, before any process starts: its ``model`` path or
 hub id (a local directory with a model config, a GGUF file, or a hub id in the local cache
-while engines run offline). Configuration itself (schema, lookup, defaults) is config.py;
+while engines run offline). Configuration itself (schema, rules, lookup) is servectl/config/;
 whether vLLM accepts a model's engine arguments is asked of a short-lived engine process
 by the CLI (``servectl config check``). Also what a model will hold before its engine has
 measured it (its checkpoint on disk, ``model_estimate``) and the budget warnings of

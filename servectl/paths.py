@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from servectl.config import MODEL_NAME
+from servectl.wire.vocab import MODEL_NAME
 
 SYSTEM_RUNTIME_DIR = Path("/run/servectl")
 SERVICE_USER = "servectl"  # the systemd unit's User=

@@ -13,6 +13,7 @@ import io
 import os
 import socket
 import types
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,6 +24,7 @@ from engine_core.workers import WorkerCallFailed
 from manager.children import ChildState
 from manager.group import GroupState
 from servectl import cli
+from servectl.cli import common, lifecycle, watch
 from servectl import config as C
 from servectl import model_check as MC
 from servectl.messages import bind_failure, last_error, one_line, without_tracebacks
@@ -50,7 +52,7 @@ RuntimeError: Cannot find any model weights with `/m`
 
 def rendered(fn, *args, terminal: bool = False) -> str:
     buf = io.StringIO()
-    fn(cli.make_console(file=buf, width=200, force_terminal=terminal), *args)
+    fn(common.make_console(file=buf, width=200, force_terminal=terminal), *args)
     return buf.getvalue()
 
 
@@ -71,7 +73,7 @@ def child(component: str, model: str | None, state: str = "failed", last_log: li
 def test_event_lines_keep_emoji_code_names(name):
     ev = P.Event(component=f"worker:{name}:0", kind="worker", model=name, state="ready", pid=7, time=0.0,
                  detail=f":{name}: [bold]x[/bold]")
-    for out in (rendered(cli.say, *cli.start_event_parts(ev)), rendered(cli.say, cli.event_line(ev))):
+    for out in (rendered(common.say, *lifecycle.start_event_parts(ev)), rendered(common.say, watch.event_line(ev))):
         assert f"worker:{name}:0" in out and f":{name}: [bold]x[/bold]" in out and no_emoji(out), out
 
 
@@ -79,7 +81,7 @@ def test_event_lines_keep_emoji_code_names(name):
 def test_a_failure_prints_markup_and_emoji_codes_as_they_are(terminal):
     model = P.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a", reason="[red]:fire: [/bold]")
     log = ["loading :smile: [/bold] [link=x]", *TRACEBACK]
-    out = rendered(cli.show_model_failure, model, [child("engine_core:fire", "fire", last_log=log),
+    out = rendered(lifecycle.show_model_failure, model, [child("engine_core:fire", "fire", last_log=log),
                                                    child("worker:fire:0", "fire", last_log=["[/]"])],
                    terminal=terminal)
     for literal in ("model fire failed", "[red]:fire: [/bold]", "last lines of engine_core:fire",
@@ -97,7 +99,7 @@ def test_an_excerpt_that_begins_inside_a_traceback_shows_no_frames():
 def test_a_load_failure_a_restart_cannot_fix_is_its_reason_alone():
     model = P.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a",
                           reason="RuntimeError: Cannot find any model weights with `/m`; not restarted")
-    out = rendered(cli.show_model_failure, model, [
+    out = rendered(lifecycle.show_model_failure, model, [
         child("engine_core:fire", "fire", last_log=TRACEBACK, last_exit="exit code 78",
               exit_code=P.ExitCode.PERMANENT),
         child("worker:fire:0", "fire", last_log=TRACEBACK, last_exit="signal SIGKILL", exit_code=None)])
@@ -111,9 +113,9 @@ def test_status_table_and_json_keep_the_names(monkeypatch):
                                  for c in (f"engine_core:{m}", f"worker:{m}:0", f"standby:worker:{m}:0")],
                        models=[P.ModelStatus(name=m, state="ready", frozen=False, incarnation="a")
                                for m in EMOJI_NAMES])
-    monkeypatch.setattr(cli, "client_for", lambda runtime_dir, timeout=10.0: types.SimpleNamespace(status=lambda: st))
+    monkeypatch.setattr(common, "client_for", lambda runtime_dir, timeout=10.0: types.SimpleNamespace(status=lambda: st))
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", cli.make_console(file=buf, width=250))
+    monkeypatch.setattr(common, "console", common.make_console(file=buf, width=250))
     assert CliRunner().invoke(cli.main, ["status"]).exit_code == 0
     table = buf.getvalue()
     for m in EMOJI_NAMES:
@@ -127,10 +129,10 @@ def test_an_unexpected_cli_error_is_one_line(monkeypatch):
     def broken(runtime_dir, timeout=10.0):
         raise msgspec.ValidationError("Expected `int`, got `str` - at `$.port`")
 
-    monkeypatch.setattr(cli, "client_for", broken)
+    monkeypatch.setattr(common, "client_for", broken)
     monkeypatch.delenv("SERVECTL_DEBUG", raising=False)
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "err", cli.make_console(file=buf, width=250))
+    monkeypatch.setattr(common, "err", common.make_console(file=buf, width=250))
     result = CliRunner().invoke(cli.main, ["status"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert buf.getvalue().count("\n") == 1 and "ValidationError: Expected `int`" in buf.getvalue()
@@ -221,7 +223,7 @@ def test_hub_ids_offline_must_be_in_the_local_cache(tmp_path):
     (snap / "config.json").write_text("{}")
     assert MC.model_path_problem("org/tiny", env) is None
     assert MC.model_path_problem("org/other", {**env, "HF_HUB_OFFLINE": "0"}) is None  # downloaded at load
-    assert MC.hf_hub_cache({"HF_HOME": "/h"}) == C.Path("/h/hub")
+    assert MC.hf_hub_cache({"HF_HOME": "/h"}) == Path("/h/hub")
 
 
 def test_check_model_paths_names_the_key_and_the_file_or_the_option(tmp_path):

@@ -17,7 +17,7 @@ from servectl import paths
 from servectl.tasks import Tasks
 from servectl.wire import control as CP
 from servectl.wire import engine as EP
-from servectl.wire.vocab import ModelState
+from servectl.wire.vocab import MODEL_NAME, ModelState
 
 pytestmark = pytest.mark.unit
 
@@ -106,5 +106,5 @@ def test_a_link_says_the_managers_word_that_put_it_in_its_state(said, word):
 
 def test_shared_constants_have_one_definition():
     assert audit.READ_ONLY is CP.READ_ONLY == (CP.StatusRequest, CP.WaitSettled)
-    assert C.NAME_PATTERN == rf"^{C.MODEL_NAME}\Z" and paths._MODEL is C.MODEL_NAME
+    assert C.NAME_PATTERN == rf"^{MODEL_NAME}\Z" and paths._MODEL is MODEL_NAME
     assert re.match(C.NAME_PATTERN, "m.1-x_2") and not re.match(C.NAME_PATTERN, "m:1")

@@ -123,6 +123,11 @@ class ExitCode(enum.IntEnum):
 # while others do not (failed, down, restarting); it serves. No engine group is ever in it.
 DEGRADED = "degraded"
 
+# A model's name, as a regular expression: config (``NAME_PATTERN``) checks it, and file and
+# socket names are built of it (servectl/paths.py), so it never holds ":" (component names:
+# servectl/wire/spawn.py) or REPLICA_MARK.
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
+
 # Between a model's name and a replica's number in an engine group's name (``<model>@<n>``);
 # never in a model's name (servectl.config.NAME_PATTERN).
 REPLICA_MARK = "@"
