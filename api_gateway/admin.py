@@ -28,6 +28,7 @@ from api_gateway.link_state import LinkState
 from api_gateway.manager_link import ManagerLink
 from api_gateway.served import ServedModel
 from servectl.wire import control as MP
+from servectl.wire import status as WS
 from servectl.wire.spawn import model_of
 
 log = logging.getLogger("api_gateway.admin")
@@ -185,7 +186,7 @@ class AdminRoutes:
         link = self.gw.links.get(name)
         return None if link is None else await link.stats()
 
-    def model_entry(self, m: MP.ModelStatus, stats) -> dict:
+    def model_entry(self, m: WS.ModelStatus, stats) -> dict:
         served = self.gw.served.get(model_of(m.name))  # its model's queue (a replica's is its model's)
         last_used = stats.last_worked_at if stats is not None and stats.last_worked_at is not None else m.idle_since
         state = msgspec.to_builtins(m)["state"]  # the wire's word for it

@@ -24,6 +24,7 @@ from api_gateway.served import ServedModel
 from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
 from servectl.wire import control as MP
+from servectl.wire import status as WS
 from servectl.wire.spawn import model_of
 from servectl.wire.vocab import EventKind, ExitCode, ModelState
 
@@ -111,7 +112,7 @@ class ManagerLink:
                 body = await sock.recv()
                 if sock is sub:
                     try:
-                        ev = MP.event_decoder.decode(body)
+                        ev = WS.event_decoder.decode(body)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
                     self.on_event(ev)

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api_gateway.manager_link import ManagerLink
 from servectl.wire import control as MP
+from servectl.wire import status as WS
 from servectl.wire.spawn import model_of
 
 log = logging.getLogger("api_gateway.ui")
@@ -151,7 +152,7 @@ class UiHub:
         self.hz = os.sysconf("SC_CLK_TCK")
         self.failing = False  # the last sample failed (said once in the log, not every second)
 
-    def on_event(self, ev: MP.Event) -> None:
+    def on_event(self, ev: WS.Event) -> None:
         data = sse("event", {"time": ev.time, "component": ev.component, "kind": str(ev.kind.value),
                              "model": ev.model, "state": str(getattr(ev.state, "value", ev.state)), "pid": ev.pid,
                              "detail": ev.detail, "restarts": ev.restarts})

@@ -32,7 +32,7 @@ from typing import Mapping, NamedTuple, Protocol
 from manager.start_gate import StartGate
 from servectl import config as C
 from servectl.memory import Amount, Estimate, fmt_size
-from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.vocab import ModelState
 
 log = logging.getLogger("manager")
@@ -286,18 +286,18 @@ class Budget:
                 return
             self.releasing = None
 
-    def status(self) -> P.BudgetStatus:
+    def status(self) -> WS.BudgetStatus:
         """Each device's budget and what the loaded models hold there; the last eviction."""
         loaded = self.loaded()
         held = [(self.labels(g), self.footprint(g).bytes or 0, g.name) for g in loaded]
         labels = sorted({label for ls, _, _ in held for label in ls} | set(self.limits))
         last = self.last_eviction
-        return P.BudgetStatus(
+        return WS.BudgetStatus(
             max_loaded_models=self.cap, loaded=len(loaded),
-            devices=[P.DeviceBudget(label=label, budget_bytes=self.limits.get(label), total_bytes=self.totals.get(label),
+            devices=[WS.DeviceBudget(label=label, budget_bytes=self.limits.get(label), total_bytes=self.totals.get(label),
                                     used_bytes=sum(n for ls, n, _ in held if label in ls),
                                     models=[name for ls, _, name in held if label in ls]) for label in labels],
-            last_eviction=None if last is None else P.LastEviction(**last._asdict()))
+            last_eviction=None if last is None else WS.LastEviction(**last._asdict()))
 
     def forget(self, group: Budgeted) -> None:
         if group in self.waiting:

@@ -49,6 +49,7 @@ from servectl.paths import RuntimePaths, UntrustedDirectory, is_shared, remove_s
 from servectl.tasks import Tasks
 from servectl.proc import PARENT_ENV, kill_instance, port_holder, process_env
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.spawn import engine_identity
 from servectl.wire.vocab import ExitCode, ManagerState
 
@@ -179,7 +180,7 @@ class Manager:
         """The engine's step deadline changed: an event (gateways find hangs by it; an operator sees it)."""
         self.publish(report.deadline_event(group))
 
-    def publish(self, ev: P.Event) -> None:
+    def publish(self, ev: WS.Event) -> None:
         try:
             self.events.send(P.encoder.encode(ev), zmq.NOBLOCK)
         except zmq.ZMQError:

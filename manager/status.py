@@ -22,18 +22,19 @@ from manager.start_gate import StartGate
 from servectl import config as C
 from servectl.proc import ppid_of, rss_bytes
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.spawn import MODEL, engine_component, model_component
 from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ManagerState
 
 
-def child_event(child: Child, group: EngineGroup | None, detail: str) -> P.Event:
-    return P.Event(component=child.component, kind=child.kind, model=child.model, state=child.state,
+def child_event(child: Child, group: EngineGroup | None, detail: str) -> WS.Event:
+    return WS.Event(component=child.component, kind=child.kind, model=child.model, state=child.state,
                    pid=child.popen.pid if child.popen else None, time=time.time(),
                    incarnation=group.incarnation if group else "", detail=detail, restarts=child.restarts)
 
 
-def group_event(group: EngineGroup) -> P.Event:
-    return P.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
+def group_event(group: EngineGroup) -> WS.Event:
+    return WS.Event(component=model_component(group.name), kind=MODEL, model=group.name, state=group.state,
                    pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
                    detail=group.reason or "", hold_timeout_s=group.cfg.hold_timeout_s,
                    start_s=group.start_s, config_id=group.config_id, loras=list(group.loras),
@@ -41,9 +42,9 @@ def group_event(group: EngineGroup) -> P.Event:
                    hung=group.killed_hung and group.state in (GroupState.EXITED, GroupState.BACKOFF))
 
 
-def deadline_event(group: EngineGroup) -> P.Event:
+def deadline_event(group: EngineGroup) -> WS.Event:
     """The engine's step deadline changed (gateways find hangs by it; an operator sees it)."""
-    return P.Event(component=engine_component(group.name), kind=EventKind.DEADLINE, model=group.name,
+    return WS.Event(component=engine_component(group.name), kind=EventKind.DEADLINE, model=group.name,
                    state=ARMED, pid=group.engine.pid, time=time.time(), incarnation=group.incarnation,
                    detail=f"{group.step_deadline_s:.3f}", step_deadline_s=group.step_deadline_s)
 
@@ -70,7 +71,7 @@ def status_reply(m: Supervised) -> P.StatusReply:
     return P.StatusReply(
         version=P.PROTOCOL_VERSION, instance=m.instance, manager_pid=os.getpid(), started_at=m.started_at,
         state=m.state, port=m.gateways.port, host=m.gateway_cfg.host, state_dir=str(m.state_dir),
-        children=[P.ChildStatus(
+        children=[WS.ChildStatus(
             component=c.component, kind=c.kind, model=c.model, pid=c.pid, ppid=ppid_of(c.pid), state=c.state,
             since=c.since, started_at=c.started_at if c.alive else None, restarts=c.restarts,
             last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
@@ -80,10 +81,10 @@ def status_reply(m: Supervised) -> P.StatusReply:
         budget=m.budget.status(), unloaded=[name for name in m.served.configured if not m.served.serves(name)])
 
 
-def model_status(g: EngineGroup, budget: Budget, start_gate: StartGate, standbys: StandbyPool) -> P.ModelStatus:
+def model_status(g: EngineGroup, budget: Budget, start_gate: StartGate, standbys: StandbyPool) -> WS.ModelStatus:
     idle = g.idle_policy
     fp = budget.footprint(g)
-    return P.ModelStatus(
+    return WS.ModelStatus(
         name=g.name, state=g.state, frozen=g.frozen, incarnation=g.incarnation, reason=g.reason,
         release_after_s=idle.after_s, release_mode=g.release_mode if idle.after_s > 0 else "",
         idle_since=g.idle_since, released_since=g.released_since,

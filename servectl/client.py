@@ -12,6 +12,7 @@ import zmq
 from servectl import config as C
 from servectl.paths import SYSTEM_RUNTIME_DIR, RuntimePaths, open_append, system_dir_denied, user_name, verify_dir
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.spawn import ManagerSpec, spec_fd
 
 # The largest answer or event the CLI and the library take from the manager (a status with
@@ -207,10 +208,10 @@ def wait_settled(client: ControlClient, manager_pid: int | None, timeout_s: floa
                     # The manager published the last state changes before it replied:
                     # show those that have arrived, not only the ones polled first.
                     while on_event and sub.poll(0):
-                        on_event(P.event_decoder.decode(sub.recv()))
+                        on_event(WS.event_decoder.decode(sub.recv()))
                     return reply
                 if sock is sub:
-                    ev = P.event_decoder.decode(sub.recv())
+                    ev = WS.event_decoder.decode(sub.recv())
                     if on_event:
                         on_event(ev)
                 if sock == pidfd:

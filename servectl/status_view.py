@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.table import Table
 
 from servectl.proc import stat_fields
-from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.vocab import ModelState
 
 
@@ -44,7 +44,7 @@ def fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
 
-def idle_columns(m: P.ModelStatus, now: float) -> tuple[str, str]:
+def idle_columns(m: WS.ModelStatus, now: float) -> tuple[str, str]:
     """(idle for, releases in) of one model: how long since its last request, how long it stays loaded."""
     if m.released_since is not None:
         return f"released {fmt_seconds(now - m.released_since)} ago", "-"
@@ -56,7 +56,7 @@ def idle_columns(m: P.ModelStatus, now: float) -> tuple[str, str]:
     return fmt_seconds(idle), fmt_seconds(m.release_after_s - idle)
 
 
-def models_table(models: list[P.ModelStatus]) -> Table:
+def models_table(models: list[WS.ModelStatus]) -> Table:
     """Per model: state, idle time, time to release, and the memory its engine and workers hold."""
     now = time.time()
     table = Table(show_lines=False)
@@ -76,7 +76,7 @@ def models_table(models: list[P.ModelStatus]) -> Table:
     return table
 
 
-def fmt_footprint(m: P.ModelStatus) -> str:
+def fmt_footprint(m: WS.ModelStatus) -> str:
     """What the memory budget counts for the model per device: measured at its last load, or
     estimated before it ("~", and how)."""
     if m.footprint_bytes is None:
@@ -86,7 +86,7 @@ def fmt_footprint(m: P.ModelStatus) -> str:
     return f"~{fmt_bytes(m.footprint_bytes)} estimated ({m.footprint_source})"
 
 
-def budget_table(b: P.BudgetStatus) -> Table:
+def budget_table(b: WS.BudgetStatus) -> Table:
     """Per device: its budget, what the loaded models hold there, and which; the cap; the last eviction."""
     cap = f"{b.loaded} of {b.max_loaded_models}" if b.max_loaded_models is not None else f"{b.loaded} (no cap)"
     last = "" if b.last_eviction is None else (

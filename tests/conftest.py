@@ -281,9 +281,9 @@ class EventStream:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        from servectl.wire import control as CP
+        from servectl.wire import status as WS
 
-        self.decoder = CP.event_decoder
+        self.decoder = WS.event_decoder
         self.sub = zmq.Context.instance().socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -15,6 +15,7 @@ from api_gateway.keys import Access, KeyRing, RefusalBudget, bearer_token, finge
 from manager.audit import Peer, audit_line, audit_record
 from servectl import config as C
 from servectl.wire import control as P
+from servectl.wire import status as WS
 
 pytestmark = pytest.mark.unit
 
@@ -168,7 +169,7 @@ class FakeManager:
             if isinstance(msg, P.StatusRequest):
                 reply = P.StatusReply(version=P.PROTOCOL_VERSION, instance="t", manager_pid=1, started_at=0.0,
                                       state="running", port=0, host="127.0.0.1", state_dir="/st", children=[],
-                                      models=[P.ModelStatus(name="m", state=self.state, frozen=False,
+                                      models=[WS.ModelStatus(name="m", state=self.state, frozen=False,
                                                             incarnation="inc1", memory_bytes=123, restarts=2,
                                                             devices="0")],
                                       unloaded=["spare"])

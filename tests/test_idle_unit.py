@@ -31,6 +31,7 @@ from manager.children import ChildState
 from manager.group import IDLE_RELEASED, TRANSITIONS, GroupState
 from servectl import config as C
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire import engine as EP
 from test_manager_unit import Alive, group_in
 
@@ -410,7 +411,7 @@ def test_a_sleeping_engine_keeps_its_socket_and_its_wake_needs_no_new_hello():
 
 
 def test_status_reply_and_event_carry_the_idle_fields():
-    st = P.ModelStatus(name="m", state="asleep", frozen=False, incarnation="i", release_after_s=3.0,
+    st = WS.ModelStatus(name="m", state="asleep", frozen=False, incarnation="i", release_after_s=3.0,
                        release_mode="sleep", released_since=1.0, memory_bytes=5, device_memory_bytes=6,
                        hold_timeout_s=600.0)
-    assert msgspec.msgpack.decode(P.encoder.encode(st), type=P.ModelStatus) == st
+    assert msgspec.msgpack.decode(P.encoder.encode(st), type=WS.ModelStatus) == st

@@ -15,6 +15,7 @@ from manager.audit import CHANGING, Peer, audit_record
 from manager.loras import Candidate, Refusal, lora_target
 from servectl import config as C
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.spawn import EngineSpec
 from servectl.wire.vocab import ModelState
 
@@ -164,8 +165,8 @@ def test_the_lora_messages_round_trip():
         assert P.to_engine_decoder.decode(P.encoder.encode(msg)) == msg
     reply = P.LoraReply(ok=True, status=200, message="ok", model="m", loras=[lora])
     assert P.control_out_decoder.decode(P.encoder.encode(reply)) == reply
-    ev = P.Event(component="model:m", kind="model", model="m", state="ready", pid=1, time=0.0, loras=[lora])
-    assert P.event_decoder.decode(P.encoder.encode(ev)).loras == [lora]
+    ev = WS.Event(component="model:m", kind="model", model="m", state="ready", pid=1, time=0.0, loras=[lora])
+    assert WS.event_decoder.decode(P.encoder.encode(ev)).loras == [lora]
     spec = EngineSpec(model=C.default_model(), runtime_dir="/r", incarnation="i", freezing=True, freeze_grace_s=1,
                       worker_reply_timeout_s=1, loras=[lora])
     assert msgspec.json.decode(msgspec.json.encode(spec), type=EngineSpec).loras == [lora]

@@ -30,6 +30,7 @@ from servectl import model_check as MC
 from servectl.messages import bind_failure, last_error, one_line, without_tracebacks
 from servectl.proc import listeners, port_holder
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from test_manager_unit import Alive, group_in
 
 pytestmark = pytest.mark.unit
@@ -62,7 +63,7 @@ def no_emoji(text: str) -> bool:
 
 def child(component: str, model: str | None, state: str = "failed", last_log: list[str] | None = None,
           last_exit: str = "exit code 1", exit_code: int | None = 1):
-    return P.ChildStatus(component=component, kind=component.split(":")[0], model=model, pid=41, ppid=40,
+    return WS.ChildStatus(component=component, kind=component.split(":")[0], model=model, pid=41, ppid=40,
                          state=state, since=1.0, started_at=None, restarts=0, last_exit=last_exit,
                          last_log=last_log or [], exit_code=exit_code)
 
@@ -71,7 +72,7 @@ def child(component: str, model: str | None, state: str = "failed", last_log: li
 
 @pytest.mark.parametrize("name", EMOJI_NAMES)
 def test_event_lines_keep_emoji_code_names(name):
-    ev = P.Event(component=f"worker:{name}:0", kind="worker", model=name, state="ready", pid=7, time=0.0,
+    ev = WS.Event(component=f"worker:{name}:0", kind="worker", model=name, state="ready", pid=7, time=0.0,
                  detail=f":{name}: [bold]x[/bold]")
     for out in (rendered(common.say, *lifecycle.start_event_parts(ev)), rendered(common.say, watch.event_line(ev))):
         assert f"worker:{name}:0" in out and f":{name}: [bold]x[/bold]" in out and no_emoji(out), out
@@ -79,7 +80,7 @@ def test_event_lines_keep_emoji_code_names(name):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_a_failure_prints_markup_and_emoji_codes_as_they_are(terminal):
-    model = P.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a", reason="[red]:fire: [/bold]")
+    model = WS.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a", reason="[red]:fire: [/bold]")
     log = ["loading :smile: [/bold] [link=x]", *TRACEBACK]
     out = rendered(lifecycle.show_model_failure, model, [child("engine_core:fire", "fire", last_log=log),
                                                    child("worker:fire:0", "fire", last_log=["[/]"])],
@@ -97,7 +98,7 @@ def test_an_excerpt_that_begins_inside_a_traceback_shows_no_frames():
 
 
 def test_a_load_failure_a_restart_cannot_fix_is_its_reason_alone():
-    model = P.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a",
+    model = WS.ModelStatus(name="fire", state="failed", frozen=False, incarnation="a",
                           reason="RuntimeError: Cannot find any model weights with `/m`; not restarted")
     out = rendered(lifecycle.show_model_failure, model, [
         child("engine_core:fire", "fire", last_log=TRACEBACK, last_exit="exit code 78",
@@ -111,7 +112,7 @@ def test_status_table_and_json_keep_the_names(monkeypatch):
                        port=8000, host="127.0.0.1", state_dir="/st",
                        children=[child(c, m, "ready") for m in EMOJI_NAMES
                                  for c in (f"engine_core:{m}", f"worker:{m}:0", f"standby:worker:{m}:0")],
-                       models=[P.ModelStatus(name=m, state="ready", frozen=False, incarnation="a")
+                       models=[WS.ModelStatus(name=m, state="ready", frozen=False, incarnation="a")
                                for m in EMOJI_NAMES])
     monkeypatch.setattr(common, "client_for", lambda runtime_dir, timeout=10.0: types.SimpleNamespace(status=lambda: st))
     buf = io.StringIO()

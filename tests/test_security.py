@@ -212,7 +212,7 @@ def test_the_group_follows_events(sec):
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
-    from servectl.wire import control as P
+    from servectl.wire import status as WS
 
     rt = sec.runtime_dir
     ready_r, ready_w = os.pipe()
@@ -231,7 +231,7 @@ def test_the_group_follows_events(sec):
         end = time.monotonic() + 30
         while connected and time.monotonic() < end and not any(e[0] == "model:default" for e in seen):
             if sub.poll(1000):
-                ev = P.event_decoder.decode(sub.recv())
+                ev = WS.event_decoder.decode(sub.recv())
                 seen.append((ev.component, ev.state))
         return seen
 

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from servectl.wire import control as CP
+from servectl.wire import status as WS
 from servectl.wire import spawn as SP
 from servectl.wire.vocab import (ARMED, AVAILABLE, ChildState, EventKind, ExitCode, IdleMode, ManagerState,
                                  ModelState)
@@ -33,7 +34,7 @@ EXIT_NAMES = {"returncode", "exit_code", "exit_status", "si_status", "code"}
 def test_the_values_are_the_words_status_shows():
     assert {str(s) for s in AVAILABLE} == {"ready", "released", "asleep"}
     assert ChildState.FROZEN == "idle (frozen)" and f"{ModelState.READY}" == "ready"
-    assert msgspec.json.encode(CP.ModelStatus(name="m", state=ModelState.ASLEEP, frozen=False, incarnation="")) \
+    assert msgspec.json.encode(WS.ModelStatus(name="m", state=ModelState.ASLEEP, frozen=False, incarnation="")) \
         .startswith(b'{"name":"m","state":"asleep"')
     assert ExitCode.PERMANENT == 78 and ExitCode.HUNG == 75 and ExitCode.STEP_FAILED == 70
 
@@ -41,15 +42,15 @@ def test_the_values_are_the_words_status_shows():
 @pytest.mark.parametrize("frame, decoder", [
     (CP.encoder.encode(CP.StatusReply(version=1, instance="i", manager_pid=1, started_at=0.0, state="running",
                                       port=1, host="h", state_dir="/s", children=[],
-                                      models=[CP.ModelStatus(name="m", state="sleeping", frozen=False,
+                                      models=[WS.ModelStatus(name="m", state="sleeping", frozen=False,
                                                              incarnation="")])), CP.control_out_decoder),
     (CP.encoder.encode(CP.StatusReply(version=1, instance="i", manager_pid=1, started_at=0.0, state="resting",
                                       port=1, host="h", state_dir="/s", children=[], models=[])),
      CP.control_out_decoder),
-    (CP.encoder.encode(CP.Event(component="model:m", kind="model", model="m", state="exploded", pid=None,
-                                time=0.0)), CP.event_decoder),
-    (CP.encoder.encode(CP.Event(component="x:m", kind="planet", model="m", state="ready", pid=None, time=0.0)),
-     CP.event_decoder),
+    (CP.encoder.encode(WS.Event(component="model:m", kind="model", model="m", state="exploded", pid=None,
+                                time=0.0)), WS.event_decoder),
+    (CP.encoder.encode(WS.Event(component="x:m", kind="planet", model="m", state="ready", pid=None, time=0.0)),
+     WS.event_decoder),
     (CP.encoder.encode(CP.GroupReleased(model="m", incarnation="i", released=True, mode="hibernate")),
      CP.control_in_decoder),
     (CP.encoder.encode(CP.Release(mode="evict")), CP.to_engine_decoder),
@@ -61,7 +62,7 @@ def test_a_word_no_process_knows_is_rejected_at_decode(frame, decoder):
 
 
 def test_decoded_words_are_members():
-    ev = CP.event_decoder.decode(CP.encoder.encode(CP.Event(component="model:m", kind="model", model="m",
+    ev = WS.event_decoder.decode(CP.encoder.encode(WS.Event(component="model:m", kind="model", model="m",
                                                             state="asleep", pid=None, time=0.0)))
     assert ev.kind is EventKind.MODEL and ModelState(ev.state) is ModelState.ASLEEP
     spec = msgspec.json.decode(msgspec.json.encode(SP.EngineSpec(

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
 from servectl.wire import control as CP
+from servectl.wire import status as WS
 from servectl.wire import engine as EP
 from servectl.wire import spawn as SP
 from servectl.wire import worker as WW
@@ -28,7 +29,7 @@ MODEL = ModelConfig(name="m.1", model="/models/m", tensor_parallel_size=2, devic
                     override_generation_config={"temperature": 0.5, "top_k": 40}, trust_request_chat_template=True,
                     **{k: v for k, v in dict(idle_release_s=5.0, idle_release="sleep", sleep_level=2, autostart=False,
                                              hold_timeout_s=900.0).items() if k in ModelConfig.__struct_fields__})
-CHILD = CP.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
+CHILD = WS.ChildStatus(component="worker:m.1:1", kind="worker", model="m.1", pid=41, ppid=40, state="ready",
                        since=1.5, started_at=1.25, restarts=2, last_exit="signal SIGKILL", last_log=["a", "b"],
                        exit_signal=9)
 
@@ -43,10 +44,10 @@ HTTP = CP.HttpCaller(key_id="sha256:0123456789ab", address="127.0.0.1", gateway=
 LORA = CP.LoraModule(name="sql", path="/a/sql", base_model_name="m.1")
 
 # Every field differs from its default in some sample, so omit_defaults hides nothing.
-DEVICE = known_fields(CP.DeviceBudget, label="0", budget_bytes=8 << 30, total_bytes=80 << 30, used_bytes=6 << 30,
+DEVICE = known_fields(WS.DeviceBudget, label="0", budget_bytes=8 << 30, total_bytes=80 << 30, used_bytes=6 << 30,
                       models=["a", "b"])
-EVICTION = known_fields(CP.LastEviction, model="a", needed_by="c", reason="evicted: model c needs room", at=5.0)
-BUDGET = known_fields(CP.BudgetStatus, max_loaded_models=2, loaded=2, devices=[DEVICE], last_eviction=EVICTION)
+EVICTION = known_fields(WS.LastEviction, model="a", needed_by="c", reason="evicted: model c needs room", at=5.0)
+BUDGET = known_fields(WS.BudgetStatus, max_loaded_models=2, loaded=2, devices=[DEVICE], last_eviction=EVICTION)
 SAMPLES: dict[type, list[msgspec.Struct]] = {
     # control: children and the CLI → manager
     CP.ChildReady: [CP.ChildReady(component="engine_core:m.1", pid=12, incarnation="abc", max_model_len=512,
@@ -88,11 +89,11 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                    CP.LoraReply(ok=False, status=404, message="no")],
     CP.HttpCaller: [HTTP, CP.HttpCaller(key_id=None, address="", gateway="gateway:1")],
     # control: manager → clients
-    CP.ChildStatus: [CHILD, CP.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
+    WS.ChildStatus: [CHILD, WS.ChildStatus(component="gateway:0", kind="gateway", model=None, pid=None, ppid=None,
                                            state="backoff", since=0.0, started_at=None, restarts=0,
                                            last_exit="exit code 1", exit_code=1)],
-    CP.ModelStatus: [CP.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1"),
-                     known_fields(CP.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
+    WS.ModelStatus: [WS.ModelStatus(name="m.1", state="failed", frozen=True, incarnation="abc", reason="exit code 1"),
+                     known_fields(WS.ModelStatus, name="m.1", state="asleep", frozen=False, incarnation="abc",
                                   release_after_s=3.0, release_mode="sleep", idle_since=1.5, released_since=2.5,
                                   memory_bytes=1 << 20, device_memory_bytes=1 << 30, hold_timeout_s=600.0,
                                   step_deadline_s=5.0, restarts=2, devices="0,1", start_s=9.5,
@@ -101,12 +102,12 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                   device_labels=["0", "1"], unfit="too large", standby_memory_bytes=1 << 28)],
     CP.StatusReply: [CP.StatusReply(version=CP.PROTOCOL_VERSION, instance="f00d", manager_pid=40, started_at=1.0,
                                     state="running", port=8123, host="::1", state_dir="/st", children=[CHILD],
-                                    models=[CP.ModelStatus(name="m.1", state="ready", frozen=False,
+                                    models=[WS.ModelStatus(name="m.1", state="ready", frozen=False,
                                                            incarnation="abc")], unloaded=["m.2"],
                                     budget=BUDGET)],
-    CP.BudgetStatus: [CP.BudgetStatus(), BUDGET],
-    CP.DeviceBudget: [DEVICE, CP.DeviceBudget(label="cpu", budget_bytes=None)],
-    CP.LastEviction: [EVICTION],
+    WS.BudgetStatus: [WS.BudgetStatus(), BUDGET],
+    WS.DeviceBudget: [DEVICE, WS.DeviceBudget(label="cpu", budget_bytes=None)],
+    WS.LastEviction: [EVICTION],
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True), CP.Ack(ok=True, done=False)],
     # manager → whoever started it (JSON on the --report-fd pipe)
     CP.StartupFailed: [CP.StartupFailed(message="127.0.0.1:8000 is already in use", exit_code=1)],
@@ -120,12 +121,12 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.AddLora: [CP.AddLora(call_id=1, lora=LORA), CP.AddLora(call_id=2, lora=LORA, load_inplace=True)],
     CP.RemoveLora: [CP.RemoveLora(call_id=3, name="sql")],
     # events
-    CP.Event: [CP.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
+    WS.Event: [WS.Event(component="model:m.1", kind="model", model="m.1", state="exited", pid=None, time=2.0,
                         incarnation="abc", detail="worker:m.1:0 signal SIGKILL", restarts=4, hung=True),
-               known_fields(CP.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
+               known_fields(WS.Event, component="model:m.1", kind="model", model="m.1", state="released", pid=None,
                             time=3.0, hold_timeout_s=300.0, start_s=12.5, config_id="0123456789abcdef",
                             loras=[LORA], unfit=True),
-               known_fields(CP.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
+               known_fields(WS.Event, component="engine_core:m.1", kind="deadline", model="m.1", state="armed",
                             pid=12, time=4.0, incarnation="abc", detail="5.000", step_deadline_s=5.0)],
     # engine: gateway → engine
     EP.Hello: [EP.Hello(version=EP.PROTOCOL_VERSION)],
@@ -225,7 +226,7 @@ def tag_of(cls: type) -> str | None:
 
 
 def test_every_message_has_samples():
-    defined = structs_of(CP) | structs_of(EP) | structs_of(SP) | structs_of(WW)
+    defined = structs_of(CP) | structs_of(EP) | structs_of(SP) | structs_of(WS) | structs_of(WW)
     assert defined == set(SAMPLES), f"add round-trip samples for {sorted(c.__name__ for c in defined - set(SAMPLES))}"
     for cls, samples in SAMPLES.items():
         assert samples and all(type(s) is cls for s in samples), cls
@@ -265,15 +266,15 @@ def test_tagged_messages_round_trip_through_their_receivers_decoder(union):
             assert msgspec.msgpack.decode(data)["type"] == tag_of(cls)
 
 
-@pytest.mark.parametrize("cls", [CP.ChildStatus, CP.ModelStatus, CP.Event, EP.Delta, EP.Resume, WW.TokensReply])
+@pytest.mark.parametrize("cls", [WS.ChildStatus, WS.ModelStatus, WS.Event, EP.Delta, EP.Resume, WW.TokensReply])
 def test_untagged_messages_round_trip(cls):
     for msg in SAMPLES[cls]:
         data = msgspec.msgpack.encode(msg)
         assert msgspec.msgpack.decode(data, type=cls) == msg
     if cls is WW.TokensReply:
         assert all(WW.decoder.decode(WW.encoder.encode(m)) == m for m in SAMPLES[cls])
-    if cls is CP.Event:
-        assert all(CP.event_decoder.decode(CP.encoder.encode(m)) == m for m in SAMPLES[cls])
+    if cls is WS.Event:
+        assert all(WS.event_decoder.decode(CP.encoder.encode(m)) == m for m in SAMPLES[cls])
 
 
 def test_a_startup_failure_round_trips_as_one_json_line():
@@ -326,7 +327,7 @@ def test_protocol_versions():
 
 # ---- what a receiver must survive ------------------------------------------------------
 
-DECODERS = [CP.control_in_decoder, CP.control_out_decoder, CP.to_engine_decoder, CP.event_decoder,
+DECODERS = [CP.control_in_decoder, CP.control_out_decoder, CP.to_engine_decoder, WS.event_decoder,
             EP.from_gateway_decoder, EP.to_gateway_decoder]
 
 

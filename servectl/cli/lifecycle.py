@@ -23,6 +23,7 @@ from servectl.model_check import check_model_paths
 from servectl.paths import prepare_dirs, resolve_runtime_dir
 from servectl.status_view import budget_table, fmt_age, models_table, proc_usage
 from servectl.wire import control as P
+from servectl.wire import status as WS
 from servectl.wire.vocab import ChildState, EventKind, ExitCode, ModelState
 
 
@@ -91,7 +92,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
             announced.append(True)
             say(common.console, f"servectl: manager pid {proc.pid}, runtime {root}")
 
-    def show(ev: P.Event) -> None:
+    def show(ev: WS.Event) -> None:
         announce()
         if ev.kind != EventKind.MODEL:
             say(common.console, *start_event_parts(ev))
@@ -130,7 +131,7 @@ def start(config_path, runtime_dir, host, port, model, name, tp, gateways, engin
     sys.exit(1)
 
 
-def start_event_parts(ev: P.Event) -> tuple:
+def start_event_parts(ev: WS.Event) -> tuple:
     """A child's state change as `start` shows it (parts for say())."""
     color = {ChildState.READY: "green", ChildState.FAILED: "red", ChildState.EXITED: "yellow",
              ChildState.BACKOFF: "yellow"}.get(ev.state, "cyan")
@@ -164,7 +165,7 @@ def stop(runtime_dir, timeout):
     say(common.console, "stopped")
 
 
-def show_model_failure(out: Console, model: P.ModelStatus, children: list[P.ChildStatus], lines: int = 10) -> None:
+def show_model_failure(out: Console, model: WS.ModelStatus, children: list[WS.ChildStatus], lines: int = 10) -> None:
     """A model that is not ready: its reason, then its children's last log lines
     (tracebacks reduced to their exception line; the frames stay in the log files).
     A load failure a restart cannot fix is its one-line reason alone."""

@@ -15,10 +15,10 @@ from servectl.cli import common
 from servectl.cli.common import CONFIG_ERROR, not_running, runtime_option, say, status_or_exit
 from servectl.client import MAX_REPLY_BYTES, ControlClient, NotRunning
 from servectl.paths import resolve_runtime_dir, verify_dir
-from servectl.wire import control as P
+from servectl.wire import status as WS
 
 
-def event_line(ev: P.Event) -> str:
+def event_line(ev: WS.Event) -> str:
     """One event as `servectl events` prints it."""
     stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
     return f"{stamp} {ev.component:<28} {ev.state:<10} pid {ev.pid or '-'} {ev.detail}"
@@ -38,7 +38,7 @@ def events(runtime_dir):
     sub.connect(f"ipc://{client.paths.events}")
     try:
         while True:
-            say(common.console, event_line(P.event_decoder.decode(sub.recv())))
+            say(common.console, event_line(WS.event_decoder.decode(sub.recv())))
     except KeyboardInterrupt:
         pass
 

@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, in one neutral package.
 
-- ``control``: children and the CLI ⇄ the manager (control ROUTER), and the
-  manager's events (PUB);
+- ``control``: children and the CLI ⇄ the manager (control ROUTER);
+- ``status``: the tree's state as the manager tells it: the parts of a status
+  reply, and the events (PUB) that say each change;
 - ``engine``: gateways ⇄ an engine (DEALER/ROUTER), one step's output per
   message;
 - ``spawn``: what the manager hands a child at exec (``EngineSpec``,
