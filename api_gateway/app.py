@@ -38,6 +38,7 @@ from api_gateway.manager_link import ManagerLink
 from api_gateway.metrics import Metrics
 from api_gateway.middleware import Middleware
 from api_gateway.passthrough import ApiEndpoints
+from api_gateway.speech import SpeechEndpoints
 from api_gateway.probes import Probes
 from api_gateway.served import ServedModel
 from api_gateway.translate import check_messages, normalize_prompts
@@ -81,6 +82,7 @@ class Gateway(Admission):
         self.probes = Probes(self)  # /live, /ready, /kv_event_sources
         self.ui = UiRoutes(self, spec.ui_secret, spec.instance)  # the status page, /ui
         self.apis = ApiEndpoints(self)  # /v1/responses, /v1/messages (passthrough.py)
+        self.speech = SpeechEndpoints(self.apis, lambda: self.cfg)  # /v1/audio/* (speech.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
         self.front = Middleware(self.hosts, self.cors, self.metrics, lambda: self.keys)
@@ -230,6 +232,7 @@ class Gateway(Admission):
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         self.apis.add_to(app)
+        self.speech.add_to(app)
         self.admin.add_to(app)
         self.probes.add_to(app)
         self.ui.add_to(app)

@@ -3,8 +3,8 @@
 ``read_body`` refuses what is not a JSON object of the right content type and
 size (415, 413, 408, 400), sorts the fields (fields.classify: refused and
 legacy ones are a 400 naming them; unknown ones are named in a warning and in
-the response's ``x-servectl-ignored-fields`` header), refuses media in any of
-them (media.py) and checks the supported ones against the endpoint's msgspec type. It returns the validated request and
+the response's ``x-servectl-ignored-fields`` header), bounds the media any of
+them carries inline (media.py) and checks the supported ones against the endpoint's msgspec type. It returns the validated request and
 the supported fields as the client sent them (what goes to the engine).
 """
 
@@ -21,7 +21,7 @@ from api_gateway.errors import HttpError, validation_error
 from api_gateway.fields import IGNORED_HEADER, classify
 from api_gateway.http_policy import is_json_content_type
 from api_gateway.logfields import escape
-from api_gateway.media import refuse_media
+from api_gateway.media import check_media
 from servectl.config import GatewayConfig
 
 log = logging.getLogger("api_gateway")
@@ -66,7 +66,7 @@ async def read_body(request: web.Request, cfg: GatewayConfig, endpoint: str):
         log.warning("%s %s: ignored field(s) (unknown, or ignored by vLLM): %s (rid=%s)", escape(request.method),
                     escape(request.path), names, request["request_id"])
         request.setdefault("extra_headers", {})[IGNORED_HEADER] = names
-    refuse_media(forward)  # every route's content: the engines fetch no media (media.py)
+    check_media(forward, cfg.max_media_bytes)  # inline media bounded; the engine reads it (media.py)
     try:
         return msgspec.convert(forward, TYPES[endpoint]), forward
     except msgspec.ValidationError as exc:

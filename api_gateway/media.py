@@ -1,18 +1,18 @@
-"""Media refused in every request body, before anything reaches an engine (pure).
+"""Media in request bodies: found wherever vLLM would take it, and its inline bytes bounded (pure).
 
-The engines serve text only until media is deliberately enabled. vLLM's
-renderer takes a dict in a request's content for a media part by its ``type``
-(``image_url``, ``input_image``, Anthropic's ``image``, ...) or, when the part
-has no ``type`` or carries a ``uuid``, by its keys (``{"image_url": URL}``,
-vLLM's ``_MEDIA_CONTENT_PART_KEYS``), and fetches the URL on the engine's
-thread. So ``bodies.read_body`` walks every body of every route with
-``refuse_media``: any dict anywhere in it with a media ``type`` or a media key
-is a 400 (Cohere's ``/v2/embed`` ``inputs``, a score's ``queries``, a chat
-message's parts, a tool result's). Top-level fields that hold JSON schemas or
-tool definitions, not content, are not walked (a tool whose parameter is
-named ``image_url`` is not media), nor a tool call's arguments. The engine's
-second line, should anything get through, is engine_core/media.py: it fetches
-nothing unless the operator allowed domains.
+vLLM's renderer takes a dict in a request's content for a media part by its
+``type`` (``image_url``, ``input_image``, Anthropic's ``image``, ...) or, when
+the part has no ``type`` or carries a ``uuid``, by its keys (``{"image_url":
+URL}``, vLLM's ``_MEDIA_CONTENT_PART_KEYS``). ``inline_media_bytes`` walks a
+body the same way and adds up what its media parts carry inline (base64 data:
+URLs, Anthropic's base64 ``source``, ``input_audio``'s ``data``): past the
+gateway's ``max_media_bytes`` that is a 413 naming the limit, before any
+engine decodes a byte. What a part names by URL is fetched (or not) by the
+engine's connector (engine_core/media.py), under vLLM's download cap.
+Top-level fields that hold JSON schemas or tool definitions, not content, are
+not walked (a tool whose parameter is named ``image_url`` is not media), nor
+a tool call's arguments. Whether the model reads media at all is vLLM's
+answer (a text-only model's 400), given by the engine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MEDIA_TYPES = frozenset({
     "audio",
 })
 # Keys that make vLLM take a part for media whatever its `type` (a superset of vLLM's
-# _MEDIA_CONTENT_PART_KEYS; tests/test_security.py holds the two together).
+# _MEDIA_CONTENT_PART_KEYS; tests/test_security_edge.py holds the two together).
 MEDIA_KEYS = frozenset({
     "image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
     "video_url", "video_embeds", "prompt_embeds", "file", "file_url", "file_data", "file_id",
@@ -38,27 +38,51 @@ NOT_CONTENT = frozenset({"tools", "tool_choice", "response_format", "structured_
 TOOL_CALL_TYPES = frozenset({"tool_use", "server_tool_use"})
 
 
-def refuse_media(body: dict) -> None:
-    """A 400 naming the top-level field when any content in ``body`` is a media part."""
-    for field, value in body.items():
-        if field not in NOT_CONTENT:
-            check_text_only(value, field)
+def is_media_part(v: dict) -> bool:
+    kind = v.get("type")
+    return (isinstance(kind, str) and kind in MEDIA_TYPES) or any(k in MEDIA_KEYS for k in v)
 
 
-def check_text_only(value, field: str) -> None:
-    """Refuse media anywhere in ``value`` (items, messages, parts, tool results)."""
-    stack = [value]
+def media_parts(body: dict) -> list[dict]:
+    """Every media part in ``body``'s content, outermost first."""
+    found: list[dict] = []
+    stack = [v for field, v in body.items() if field not in NOT_CONTENT]
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
+            if is_media_part(v):
+                found.append(v)
+                continue
             kind = v.get("type")
-            if isinstance(kind, str) and kind in MEDIA_TYPES:
-                raise HttpError(400, f"multimodal input is not supported (a `{kind[:32]}` part)", param=field,
-                                code="unsupported_parameter")
-            key = next((k for k in v if k in MEDIA_KEYS), None)
-            if key is not None:
-                raise HttpError(400, f"multimodal input is not supported (a part with `{key}`)", param=field,
-                                code="unsupported_parameter")
             stack.extend(x for k, x in v.items() if not (k == "input" and kind in TOOL_CALL_TYPES))
         elif isinstance(v, list):
             stack.extend(v)
+    return found
+
+
+def inline_bytes(part) -> int:
+    """The bytes a media part carries inline: its strings' base64 text decoded (an upper bound
+    within 2 bytes a string); a URL's few characters count too, harmlessly."""
+    total, stack = 0, [part]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) * 3 // 4
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def check_media(body: dict, max_media_bytes: int) -> int:
+    """The number of media parts in ``body``; a 413 naming ``max_media_bytes`` when what they
+    carry inline is more."""
+    parts = media_parts(body)
+    if parts:
+        size = sum(inline_bytes(p) for p in parts)
+        if size > max_media_bytes:
+            raise HttpError(413, f"the request's inline media ({size} bytes decoded, {len(parts)} part(s)) "
+                                 f"exceeds the limit of {max_media_bytes} bytes (gateway max_media_bytes)",
+                            code="media_too_large")
+    return len(parts)

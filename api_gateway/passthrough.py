@@ -41,6 +41,8 @@ MESSAGES_PREFIX = "/v1/messages"
 POOLING_PATHS = {"/v1/embeddings": "embeddings", "/v2/embed": "embed", "/pooling": "pooling", "/score": "score",
                  "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank", "/v2/rerank": "rerank",
                  "/classify": "classify"}
+# vLLM's speech-to-text routes and the request kind each takes (engine_core/speech_apis.py).
+SPEECH_PATHS = {"/v1/audio/transcriptions": "transcription", "/v1/audio/translations": "translation"}
 GENERATE_PATHS = "/v1/completions, /v1/chat/completions, /v1/responses or /v1/messages"
 
 
@@ -48,6 +50,11 @@ def check_kind(model: str, tasks: list[str], path: str) -> None:
     """A request to a model of the other kind: a 400 naming the endpoints that fit it."""
     if not tasks:
         return  # not told (an engine of an older protocol): the engine's own answer stands
+    if path in SPEECH_PATHS:
+        if "transcription" not in tasks:  # `vllm serve` registers no such route then: its 404
+            raise HttpError(404, f"model {model!r} does not transcribe speech (its tasks: {', '.join(tasks)})",
+                            param="model", code="wrong_model_kind")
+        return
     pooling = path in POOLING_PATHS
     if pooling and "generate" in tasks and len(tasks) == 1:
         raise HttpError(400, f"model {model!r} generates text: use {GENERATE_PATHS}", param="model",
@@ -97,13 +104,19 @@ class ApiEndpoints:
         return await self.gateway.ask_tokenizer(request, req.model, "count_tokens", forward)
 
     async def serve(self, request: web.Request, kind: str) -> web.StreamResponse:
-        g = self.gateway
-        req, forward = await read_body(request, g.cfg, kind)  # media refused there (media.py)
+        req, forward = await read_body(request, self.gateway.cfg, kind)  # inline media bounded there (media.py)
         if forward.get("encoding_format") in ("bytes", "bytes_only"):
             raise HttpError(400, "`encoding_format` bytes and bytes_only are not supported by servectl (vLLM streams "
                                  "them as raw binary); use float or base64", param="encoding_format",
                             code="unsupported_parameter")
-        model = g.model_for(req.model)
+        return await self.answer(request, kind, req.model, forward, bool(req.stream))
+
+    async def answer(self, request: web.Request, kind: str, model: str | None, forward: dict,
+                     stream: bool) -> web.StreamResponse:
+        """Admit a request whose body is read and send it to its model's engine, whose serving
+        code answers it (a stream, or a whole JSON body)."""
+        g = self.gateway
+        model = g.model_for(model)
         request["log"]["model"] = model
         link = g.link_for(model)
         if g.draining:
@@ -121,7 +134,7 @@ class ApiEndpoints:
             check_input(kind, forward, link.max_model_len, link.max_prompt_chars, g.cfg.max_input_items)
 
         with g.admitted(link, seqs):
-            if req.stream and kind in ("responses", "messages"):
+            if stream and kind not in POOLING_PATHS.values():
                 # Held under keep-alive comments while the model is not ready (sse.py).
                 return await self.stream(request, kind, run, model, hold)
             await hold()

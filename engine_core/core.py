@@ -303,7 +303,9 @@ class EngineServer(ManagerMessages, GatewayMessages, Intake):
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
                 continue
-            if ro.finished and getattr(getattr(spec, "pooling", None), "done", True):
+            if ro.finished and spec.api is not None and (follow := spec.api.take_next()) is not None:
+                self._add_next(peer, rid, follow)  # the request asks the engine again (speech_apis.py)
+            elif ro.finished and getattr(getattr(spec, "pooling", None), "done", True):
                 self._forget(rid)
         for peer, deltas in batches.items():
             if deltas:  # (all of a gateway's may be held)

@@ -107,6 +107,14 @@ class Intake:
         self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
         self.by_peer[peer].add(rid)
 
+    def _add_next(self, peer: bytes, rid: str, built: Built) -> None:
+        """A request's next call to vLLM, under its id, once the one before it finished."""
+        try:
+            built.add_to(self.engine, rid)
+        except Exception as exc:  # noqa: BLE001 - as at admission: vLLM's classification
+            bad = refusal(exc)
+            self._fail(peer, rid, str(bad), bad.status, bad.param)
+
     def _slice_added(self, rid: str, ids: list[str]) -> None:
         self.pooled.update((sub, rid) for sub in ids)
 

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from engine_core.request_types import BadRequest, Built, OutputSpec, refusal
+from engine_core.speech_apis import KINDS as SPEECH_KINDS
 
 log = logging.getLogger("engine_core")
 
@@ -80,7 +81,7 @@ class RequestBuilder:
         return self._apis
 
     def build(self, kind: str, body: dict[str, Any], request_id: str = "", answer_id: str = "") -> Built:
-        if kind in ("responses", "messages"):  # vLLM's serving code builds it (serving_apis.py)
+        if kind in ("responses", "messages", *SPEECH_KINDS):  # vLLM's serving code builds it (serving_apis.py)
             return self.apis.start(kind, body, answer_id or request_id)
         if kind in POOLING_ROUTES:  # vLLM's pooling serving classes (pooling_apis.py)
             return self.pooling.start(kind, body, request_id, answer_id or request_id)

@@ -33,11 +33,12 @@ from typing import Any
 
 from engine_core.driven import Driven, GenerateCall, ServingEngineClient, _SeededIds
 from engine_core.request_types import BadRequest, Built, OutputSpec, refusal
+from engine_core.speech_apis import KINDS as SPEECH_KINDS
 from servectl.wire import engine as P
 
 log = logging.getLogger("engine_core")
 
-KINDS = ("responses", "messages")
+KINDS = ("responses", "messages", *SPEECH_KINDS)
 
 
 def _json(body) -> str:
@@ -56,6 +57,7 @@ class ServingApis:
         from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
         self.client = ServingEngineClient(vllm_config, renderer, input_processor)
+        self._speech = None
         # The engine's OpenAIServingModels (loras.py): a request naming an adapter gets it.
         if models is None:
             models = OpenAIServingModels(self.client, [BaseModelPath(name=served_name, model_path=model_path)])
@@ -67,11 +69,21 @@ class ServingApis:
                       reasoning_parser=frontend.reasoning_parser or "", enable_prompt_tokens_details=False,
                       enable_force_include_usage=False, enable_log_outputs=False,
                       default_chat_template_kwargs=frontend.default_chat_template_kwargs)
+        self.models = models
         self.responses = OpenAIServingResponses(self.client, models, online, tool_server=None,
                                                 enable_per_request_metrics=False, **common)
         self.messages = AnthropicServingMessages(self.client, models, "assistant", online_renderer=online,
                                                  enable_log_deltas=True, disabled_thinking_effort="auto",
                                                  **common)
+
+    @property
+    def speech(self):
+        """vLLM's transcription and translation serving classes (speech_apis.py), made on first use."""
+        if self._speech is None:
+            from engine_core.speech_apis import SpeechApis
+
+            self._speech = SpeechApis(self.client, self.models)
+        return self._speech
 
     def start(self, kind: str, body: dict[str, Any], answer_id: str) -> Built:
         """Run the request's serving code until it asks the engine to generate: that request,
@@ -120,6 +132,8 @@ class ApiRequest:
         self.prompt_ids: list[int] = []
         self.started = False
         self.replaying = False
+        self.queued: list[GenerateCall] = []
+        self.next: Built | None = None
 
     # ---- admission --------------------------------------------------------------------
     def start(self) -> Built:
@@ -130,6 +144,7 @@ class ApiRequest:
             calls.clear()
             self.pending_items = self.driven.turn()
             self.call = calls[0] if calls else None
+            self.queued = calls[1:]  # a request that asks the engine more than once (speech_apis.py)
             calls.clear()
         except BadRequest:
             self.close()
@@ -141,7 +156,9 @@ class ApiRequest:
             result = self.driven.result
             self.close()
             raise self._error_of(result)
-        call = self.call
+        return self._built(self.call)
+
+    def _built(self, call: GenerateCall) -> Built:
         engine_input = call.engine_input
         self.prompt_ids = list(engine_input.get("prompt_token_ids") or ()) if isinstance(engine_input, dict) else []
         params = call.params
@@ -165,6 +182,8 @@ class ApiRequest:
             from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
             return self.apis.messages.create_messages(AnthropicMessagesRequest.model_validate(self.body))
+        if self.kind in SPEECH_KINDS:
+            return self.apis.speech.create(self.kind, self.body)
         raise BadRequest(f"unknown request kind {self.kind!r}")
 
     def _error_of(self, result) -> BadRequest:
@@ -206,13 +225,27 @@ class ApiRequest:
             feed.ended = True
         items = list(self.pending_items)
         self.pending_items = []
+        calls = self.apis.client.calls
+        calls.clear()
         items += self.driven.turn()
+        self.queued += calls
+        calls.clear()
+        if ro.finished and self.queued and not self.driven.done:
+            # This call is done and the serving code asks the engine again: the next call goes
+            # to vLLM under the same id (``next_built``); the client's request goes on.
+            self.call = self.queued.pop(0)
+            self.next = self._built(self.call)
+            return [P.Delta(request_id=ro.request_id, index=0, api_output=self._shown(items))]
         delta = P.Delta(request_id=ro.request_id, index=0,
                         text=comp.text if comp is not None else "",
                         token_ids=list(comp.token_ids) if comp is not None else [],
                         finish_reason=comp.finish_reason if comp is not None else None,
                         stop_reason=comp.stop_reason if comp is not None else None,
                         api_output=self._shown(items))
+        if self.kind in SPEECH_KINDS:
+            # A speech request starts again from its audio on a new engine (its calls are not
+            # replayed): the gateway keeps no output of it to replay.
+            delta.text, delta.token_ids = "", []
         if ro.finished and delta.finish_reason is None:
             delta.finish_reason = "abort"
         if first and not self.started:
@@ -228,10 +261,15 @@ class ApiRequest:
                 delta.api_output = self._whole(self.driven.result)
         return [delta]
 
+    def take_next(self) -> Built | None:
+        """The request's next call to the engine, once its previous one finished (speech), or None."""
+        built, self.next = self.next, None
+        return built
+
     def _shown(self, items: list) -> str:
         """A stream's items as `vllm serve` writes them (its api_router's SSE framing)."""
-        if self.kind == "messages":
-            return "".join(items)  # AnthropicServingMessages yields its SSE text itself
+        if self.kind == "messages" or self.kind in SPEECH_KINDS:
+            return "".join(items)  # their serving classes yield SSE text themselves
         return "".join(f"event: {getattr(event, 'type', 'unknown')}\ndata: "
                        f"{event.model_dump_json(indent=None, by_alias=True)}\n\n" for event in items)
 
@@ -242,6 +280,8 @@ class ApiRequest:
             raise _refused(result)
         if self.kind == "messages":
             return _json(result.model_dump(exclude_none=True))
+        if self.kind in SPEECH_KINDS:
+            return _json(result.model_dump())  # vLLM's speech router: JSONResponse(model_dump())
         return _json(result.model_dump(mode="json", by_alias=True))
 
     def close(self) -> None:

@@ -34,9 +34,10 @@ def installed(dist: str) -> bool:
 
 # What the test suite runs beyond pip, and the Debian package each comes in: systemd-analyze
 # (the unit file test), ip (network namespaces standing in for hosts: tests/test_hosts.py),
-# chromium and its driver (the status page in a real browser: tests/test_ui_browser.py).
+# chromium and its driver (the status page in a real browser: tests/test_ui_browser.py), espeak-ng
+# (speech made fresh for the speech model's tests: tests/test_media.py).
 TEST_COMMANDS = [("systemd-analyze", "systemd"), ("ip", "iproute2"), ("chromium", "chromium"),
-                 ("chromedriver", "chromium-driver")]
+                 ("chromedriver", "chromium-driver"), ("espeak-ng", "espeak-ng")]
 
 
 def main(argv: list[str] | None = None) -> int:

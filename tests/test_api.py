@@ -244,7 +244,7 @@ def test_http_level_errors(daemon):
     assert_error(http(daemon, "POST", "/v1/completions", b"x=1",
                       headers={"Content-Type": "application/x-www-form-urlencoded"}), 415)
     assert_error(http(daemon, "GET", "/v1/completions"), 405)
-    assert_error(http(daemon, "POST", "/v1/completions", b"{" + b" " * (5 * 1024 * 1024) + b"}"), 413)
+    assert_error(http(daemon, "POST", "/v1/completions", b"{" + b" " * (33 * 1024 * 1024) + b"}"), 413)
     err = assert_error(http(daemon, "POST", "/v1/completions", {"model": "nope", "prompt": "x"}), 404, "model")
     assert "default" in err["message"]
     assert_error(http(daemon, "GET", "/v1/models/nope"), 404)

@@ -1,4 +1,4 @@
-"""Issue 53, items 3 and 6-9, the pure parts: media refused in every body; the status page's
+"""Issue 53, items 3 and 6-9, the pure parts: media found in every body (and its inline bytes bounded); the status page's
 streams capped; control-ro refusals rate-limited in the audit log; LoRA adapter roots; the
 page's cookie named and signed with its port, its actions and streams same-origin only.
 No daemon; no vLLM or torch.
@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from api_gateway.errors import HttpError
-from api_gateway.media import refuse_media
+from api_gateway.media import check_media, media_parts
 from api_gateway.ui_hub import STREAMS_MAX, STREAMS_PER_ADDRESS, stream_cap
 from gateway_harness import run
 
@@ -48,11 +48,23 @@ URL = "http://127.0.0.1:9/x"
     {"system": [{"type": "document", "source": {"type": "url", "url": URL}}]},
     {"instructions": [{"type": "message", "role": "system", "content": [{"image_url": URL}]}]},
 ])
-def test_media_in_any_field_typed_or_not_is_a_400_naming_the_field(body):
+def test_media_in_any_field_typed_or_not_is_found_and_its_inline_bytes_bounded(body):
+    assert len(media_parts({"model": "m", **body})) == 1
+    assert check_media({"model": "m", **body}, 1 << 20) == 1
+    with pytest.raises(HttpError) as info:  # a URL's few characters count: a limit below them refuses
+        check_media({"model": "m", **body}, 4)
+    assert info.value.status == 413 and "max_media_bytes" in info.value.message
+
+
+def test_inline_media_counts_its_decoded_bytes_across_parts():
+    b64 = "A" * 4000  # 3000 bytes decoded
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64}},
+        {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}}]}]}
+    assert check_media(body, 6100) == 2
     with pytest.raises(HttpError) as info:
-        refuse_media({"model": "m", **body})
-    assert info.value.status == 400 and "multimodal" in info.value.message
-    assert info.value.param in body
+        check_media(body, 5900)
+    assert info.value.status == 413 and "2 part(s)" in info.value.message
 
 
 @pytest.mark.parametrize("body", [
@@ -68,8 +80,9 @@ def test_media_in_any_field_typed_or_not_is_a_400_naming_the_field(body):
                                                      "input": {"image_url": "a string argument"}}]}]},
     {"inputs": [{"content": [{"type": "text", "text": "hello"}]}], "texts": ["a"]},
 ])
-def test_text_and_non_content_fields_pass(body):
-    refuse_media({"model": "m", **body})
+def test_text_and_non_content_fields_are_not_media(body):
+    assert media_parts({"model": "m", **body}) == []
+    assert check_media({"model": "m", **body}, 1) == 0
 
 
 # -- item 6: status page streams capped per gateway and per address, writes bounded ----------

@@ -17,7 +17,7 @@ import pytest
 
 from api_gateway import resume as R
 from api_gateway.errors import HttpError
-from api_gateway.media import check_text_only
+from api_gateway.media import media_parts
 from api_gateway.passthrough import anthropic_error_body, error_event
 from engine_core.driven import Driven, OutputFeed, ServingEngineClient, _SeededIds
 from servectl.wire import engine as EP
@@ -146,14 +146,12 @@ def test_what_continues_exactly_on_the_passthrough_endpoints(kind, body, why):
     assert (got is None) if why is None else (why in got), got
 
 
-def test_media_anywhere_in_the_input_is_refused_before_the_engine():
-    check_text_only([{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], "input")
+def test_media_anywhere_in_the_input_is_found_before_the_engine():
+    assert media_parts({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}) == []
     for value in ([{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
                   [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
                       {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]}]):
-        with pytest.raises(HttpError) as info:
-            check_text_only(value, "messages")
-        assert info.value.status == 400 and "multimodal" in info.value.message
+        assert len(media_parts({"messages": value})) == 1
 
 
 def test_errors_keep_each_apis_shape():

@@ -55,7 +55,11 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # No output for an in-flight request this long, and then no answer from its
     # engine for as long again (a step stuck on a hung worker): the group is hung.
     output_timeout_s: PositiveFloat = 120.0
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    # A request body's bytes, media included (413 past it); media lifts the default from 4 MiB.
+    max_body_bytes: PositiveInt = 32 * 1024 * 1024
+    # What one request's media parts carry inline (base64, decoded): 413 past it. URLs are
+    # fetched by the engine under vLLM's VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB (engine_core/media.py).
+    max_media_bytes: PositiveInt = 20 * 1024 * 1024
     # Sequences (prompts × n) waiting per model and gateway beyond what the engine runs at once.
     max_waiting_per_model: PositiveInt = 256
     # One request's prompts × n: more is a 400 (one request may fill a batch, not a queue).

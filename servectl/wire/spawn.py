@@ -61,7 +61,7 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     sleep_level: int = 1
     # The gateways' gateway.max_body_bytes: the engine's frontend takes no message larger
     # than engine_max_message_bytes(this) (ZMQ_MAXMSGSIZE).
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024
     # The LoRA adapters to load at start: the model's configured ones and those loaded at run
     # time, less those unloaded (the manager's EngineGroup.loras). A configured one that fails
     # to load fails the model (as `vllm serve --lora-modules`); one loaded at run time is dropped.
