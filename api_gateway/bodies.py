@@ -4,7 +4,8 @@
 size (415, 413, 408, 400), sorts the fields (fields.classify: refused and
 legacy ones are a 400 naming them; unknown ones are named in a warning and in
 the response's ``x-servectl-ignored-fields`` header), bounds the media any of
-them carries inline (media.py) and checks the supported ones against the endpoint's msgspec type. It returns the validated request and
+them carries inline (media.py) and checks the supported ones against the
+endpoint's msgspec type. It returns the validated request and
 the supported fields as the client sent them (what goes to the engine).
 """
 

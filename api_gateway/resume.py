@@ -86,6 +86,12 @@ def why_not_exact(gen: EP.Generate, constrained: bool = False) -> str | None:
     return None
 
 
+# Kinds a new engine runs again from their input rather than continuing: vLLM's speech serving
+# asks the engine several times a request (engine_core/speech_apis.py); a whole answer is sent
+# again, a stream the client has seen part of cannot go on.
+FROM_THE_START = frozenset({"transcription", "translation"})
+
+
 @dataclass
 class Choice:
     tokens: list[int] = field(default_factory=list)  # output token ids passed on, in order
@@ -114,6 +120,13 @@ def plan(gens: list[EP.Generate], choices: list[list[Choice]], new_id, whole_ans
         mine = choices[pi]
         if all(c.finished for c in mine):
             continue
+        if gen.kind in FROM_THE_START and any(c.started for c in mine):
+            if not whole_answer:
+                raise CannotContinue("speech to text (its calls start again from the audio)")
+            for index, c in enumerate(mine):
+                if c.started:
+                    restart(pi, index)
+                mine[index] = Choice(deltas=[] if c.deltas is not None else None)
         if not any(c.started for c in mine):
             again = copy.copy(gen)  # nothing of this prompt came out: as it was, all its choices
             again.request_id = new_id()

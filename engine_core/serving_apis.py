@@ -242,10 +242,6 @@ class ApiRequest:
                         finish_reason=comp.finish_reason if comp is not None else None,
                         stop_reason=comp.stop_reason if comp is not None else None,
                         api_output=self._shown(items))
-        if self.kind in SPEECH_KINDS:
-            # A speech request starts again from its audio on a new engine (its calls are not
-            # replayed): the gateway keeps no output of it to replay.
-            delta.text, delta.token_ids = "", []
         if ro.finished and delta.finish_reason is None:
             delta.finish_reason = "abort"
         if first and not self.started:

@@ -308,3 +308,17 @@ def test_resume_round_trips_on_the_wire():
     assert EP.from_gateway_decoder.decode(EP.encoder.encode(g)) == g
     assert "resume" not in msgspec.msgpack.decode(EP.encoder.encode(EP.Generate(request_id="r", kind="chat",
                                                                                 body={})))
+
+
+def test_a_speech_request_runs_again_from_its_audio_whole_or_not_at_all():
+    """Speech asks the engine several times a request: a new engine takes it from the start."""
+    gen = EP.Generate(request_id="r", kind="transcription", body={"model": "s", "file": b"RIFF"})
+    choice = Choice(tokens=[5, 6], text_chars=3, started=True, deltas=[EP.ReplayedDelta("ab", [5, 6])])
+    restarted = []
+    (pi, again), = plan([gen], [[choice]], lambda: "new", whole_answer=True,
+                        restart=lambda pi, c: restarted.append((pi, c)))
+    assert (pi, again.request_id, again.resume, again.body) == (0, "new", None, gen.body)
+    assert restarted == [(0, 0)]
+    with pytest.raises(CannotContinue, match="speech"):
+        plan([gen], [[Choice(tokens=[5], text_chars=1, started=True, deltas=[])]], lambda: "new",
+             whole_answer=False, restart=lambda pi, c: None)
