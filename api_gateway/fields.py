@@ -41,7 +41,6 @@ _RENDER = "only vLLM's /render endpoints use it, and servectl does not serve the
 _DISAGG = "disaggregated serving (KV / encoder-cache transfer between servers) is not supported"
 _FUNCTIONS = ("the deprecated function-calling API is not supported (vLLM would ignore it silently); use "
               "`tools` and `tool_choice`")
-_MM = "multimodal input is not supported"
 
 # field -> (why it is refused, values that ask for nothing and so are accepted; None always is)
 _GENERATION_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -62,12 +61,8 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
     },
     "chat": {
         **_GENERATION_REFUSED,
-        "media_io_kwargs": (_MM, ({},)),
-        "mm_processor_kwargs": (_MM, ({},)),
     },
     "tokenize": {
-        "media_io_kwargs": (_MM, ({},)),
-        "mm_processor_kwargs": (_MM, ({},)),
     },
     "detokenize": {},
     "responses": {
@@ -75,8 +70,6 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
                        "serve` refuses them too, unless VLLM_ENABLE_RESPONSES_API_STORE is set)", (False,)),
         "kv_transfer_params": (_DISAGG, ()),
         "ec_transfer_params": (_DISAGG, ()),
-        "media_io_kwargs": (_MM, ({},)),
-        "mm_processor_kwargs": (_MM, ({},)),
         "mm_payload": (_RENDER, ("tensors",)),
         "return_mm_kwargs": (_RENDER, ()),
     },
@@ -88,12 +81,12 @@ REFUSED: dict[str, dict[str, tuple[str, tuple[Any, ...]]]] = {
     },
     "count_tokens": {},
     # the pooling routes (each the union of its request classes' variants)
-    "embeddings": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},))},
-    "embed": {"images": (_MM, ())},
-    "pooling": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},)), "data": ("vLLM's IO processor plugins are not supported", ())},
-    "score": {"mm_processor_kwargs": (_MM, ({},))},
-    "rerank": {"mm_processor_kwargs": (_MM, ({},))},
-    "classify": {"mm_processor_kwargs": (_MM, ({},)), "media_io_kwargs": (_MM, ({},))},
+    "embeddings": {},
+    "embed": {},
+    "pooling": {"data": ("vLLM's IO processor plugins are not supported", ())},
+    "score": {},
+    "rerank": {},
+    "classify": {},
 }
 
 # OpenAI API fields that vLLM's classes do not define.
@@ -133,7 +126,8 @@ TYPES: dict[str, type] = {"completion": H.CompletionRequest, "chat": H.ChatCompl
 TOKENIZE_FIELDS = {
     "prompt": ("model", "prompt", "add_special_tokens", "return_token_strs"),
     "messages": ("model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
-                 "add_special_tokens", "chat_template", "chat_template_kwargs", "tools"),
+                 "add_special_tokens", "chat_template", "chat_template_kwargs", "media_io_kwargs",
+                 "mm_processor_kwargs", "tools"),
 }
 
 
@@ -148,6 +142,7 @@ API_FIELDS = {
         "frequency_penalty", "prompt_cache_key", "watermarking", "request_id", "session_id", "priority",
         "cache_salt", "enable_response_messages", "previous_input_messages", "structured_outputs",
         "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "vllm_xargs", "chat_template_kwargs",
+        "media_io_kwargs", "mm_processor_kwargs",
     ),
     "messages": (
         "model", "messages", "max_tokens", "metadata", "output_config", "thinking", "stop_sequences", "stream",
@@ -162,32 +157,33 @@ API_FIELDS = {
         "add_special_tokens", "padding", "encoding_format", "embed_dtype", "endianness", "dimensions",
         "use_activation", "input", "model", "user", "truncate_prompt_tokens", "truncation_side", "request_id",
         "priority", "cache_salt", "add_generation_prompt", "continue_final_message", "chat_template",
-        "chat_template_kwargs", "messages",
+        "chat_template_kwargs", "messages", "media_io_kwargs", "mm_processor_kwargs",
     ),
     "embed": (
         "model", "input_type", "texts", "inputs", "output_dimension", "embedding_types", "truncate", "max_tokens",
-        "priority",
+        "priority", "images",
     ),
     "pooling": (
         "add_special_tokens", "use_activation", "encoding_format", "embed_dtype", "endianness", "dimensions",
         "input", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id", "priority",
         "cache_salt", "task", "add_generation_prompt", "continue_final_message", "chat_template",
-        "chat_template_kwargs", "messages",
+        "chat_template_kwargs", "messages", "media_io_kwargs", "mm_processor_kwargs",
     ),
     "score": (
         "use_activation", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id",
         "priority", "cache_salt", "max_tokens_per_query", "max_tokens_per_doc", "instruction",
         "chat_template_kwargs", "queries", "documents", "items", "data_1", "data_2", "text_1", "text_2",
+        "mm_processor_kwargs",
     ),
     "rerank": (
         "use_activation", "model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id",
         "priority", "cache_salt", "max_tokens_per_query", "max_tokens_per_doc", "instruction",
-        "chat_template_kwargs", "query", "documents", "top_n",
+        "chat_template_kwargs", "query", "documents", "top_n", "mm_processor_kwargs",
     ),
     "classify": (
         "add_special_tokens", "use_activation", "input", "model", "user", "truncate_prompt_tokens", "padding",
         "truncation_side", "request_id", "priority", "cache_salt", "add_generation_prompt", "continue_final_message",
-        "chat_template", "chat_template_kwargs", "messages",
+        "chat_template", "chat_template_kwargs", "messages", "media_io_kwargs", "mm_processor_kwargs",
     ),
 }
 # Forwarded, and named in the ignored-fields header where set: vLLM ignores them itself.

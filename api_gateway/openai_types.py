@@ -162,6 +162,8 @@ class ChatCompletionRequest(_Request, kw_only=True):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     return_prompt_text: bool | None = None
 
 
@@ -177,6 +179,8 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
 
 
