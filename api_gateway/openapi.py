@@ -7,7 +7,7 @@ from functools import lru_cache
 import msgspec
 
 from api_gateway import openai_types as H
-from api_gateway.passthrough import POOLING_PATHS
+from api_gateway.passthrough import POOLING_PATHS, SPEECH_PATHS
 
 
 @lru_cache(maxsize=1)
@@ -49,6 +49,15 @@ def spec() -> dict:
             "/v1/messages/count_tokens": passthrough("Anthropic's token count (AnthropicCountTokensRequest)"),
             **{path: passthrough(f"vLLM's pooling route {path} (a pooling model; its request class)")
                for path in POOLING_PATHS},
+            **{path: {"post": {"summary": f"vLLM's {kind} (a speech-to-text model; multipart/form-data: file, "
+                                          "model, language, prompt, response_format, temperature, ...)",
+                               "requestBody": {"required": True, "content": {"multipart/form-data": {
+                                   "schema": {"type": "object", "required": ["file"], "properties": {
+                                       "file": {"type": "string", "format": "binary"}}}}}},
+                               "responses": {"200": {"description": "vLLM's body (stream: text/event-stream)"},
+                                             "400": error, "401": error, "404": error, "413": error, "429": error,
+                                             "503": error}}}
+               for path, kind in SPEECH_PATHS.items()},
             "/v1/models": {"get": {"responses": {"200": {"description": "served models", "content": {
                 "application/json": {"schema": ref["ModelList"]}}}}}},
             "/v1/models/{model}": {"get": {
