@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from api_gateway.errors import HttpError
+from api_gateway.media import is_media_part
 
 # The fields of vLLM's pooling request classes that hold prompts (EmbeddingRequest,
 # CohereEmbedRequest, PoolingRequest, ClassificationRequest, ScoreRequest's forms, RerankRequest).
@@ -56,7 +57,9 @@ def check_sequences(seqs: int, cap: int, body: dict[str, Any]) -> None:
 
 
 def measure(value: Any) -> tuple[int, int]:
-    """(items, characters): the list elements and the characters of every string, keys aside."""
+    """(items, characters): the list elements and the characters of every string, keys aside.
+    A media part is an item whose characters are not text (a data: URL's base64 becomes the
+    model's image or audio tokens, bounded by ``max_media_bytes``, not a tokenised prompt)."""
     items = chars = 0
     stack = [value]
     while stack:
@@ -64,7 +67,8 @@ def measure(value: Any) -> tuple[int, int]:
         if isinstance(v, str):
             chars += len(v)
         elif isinstance(v, dict):
-            stack.extend(v.values())
+            if not is_media_part(v):
+                stack.extend(v.values())
         elif isinstance(v, list):
             items += len(v)
             stack.extend(v)

@@ -52,6 +52,18 @@ def test_a_responses_input_is_bounded_by_the_cap_the_context_and_its_characters(
     check_input("embeddings", {"input": ["x"] * 10_000}, 512, 10, 1)  # not a rendered chat: the sequences' job
 
 
+def test_a_pictures_base64_is_not_counted_as_prompt_characters():
+    """A media part is one item; its data: URL is the media's bytes (max_media_bytes), not text."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 50_000}}
+    text = {"type": "text", "text": "What is in the picture?"}
+    check_input("chat", {"messages": [{"role": "user", "content": [image, text]}]}, 256, 6400, 4096)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A" * 50_000}}
+    check_input("messages", {"messages": [{"role": "user", "content": [block, text]}]}, 256, 6400, 4096)
+    too_long = {"type": "text", "text": "x" * 6401}
+    assert refused("chat", {"messages": [{"role": "user", "content": [image, too_long]}]}, 256, 6400,
+                   4096).code == "input_too_long"
+
+
 async def hello(h, tasks: list[str], max_prompt_chars: int = 0) -> None:
     h.model_state("ready", "inc1")
     msg = await h.engine.recv()

@@ -23,7 +23,8 @@ import wave
 import pytest
 
 from bench.run import VllmServe
-from conftest import DEFAULT_MODEL_DIR, DaemonFactory, assert_nothing_running, http, vllm_serving, wait_for
+from conftest import (DEFAULT_MODEL_DIR, DaemonFactory, assert_nothing_running, http, requests_running, vllm_serving,
+                      wait_for)
 
 VISION_DIR = DEFAULT_MODEL_DIR.parent / "vision"
 SPEECH_DIR = DEFAULT_MODEL_DIR.parent / "speech"
@@ -335,50 +336,72 @@ def speech_equal(md, base: str) -> None:
 # -- a crash mid-answer -----------------------------------------------------------------------
 
 def test_a_worker_sigkill_mid_image_stream_and_mid_transcription_costs_no_errors(md):
-    """Streams of pictures and transcriptions run while each model's worker is SIGKILLed: every
-    answer arrives, equal to its unfaulted one (the new engine reads the media again)."""
+    """A worker is SIGKILLed while its model's requests are in flight: image chats that have shown
+    part of their answer (the first chunk stops the worker, then it is killed), transcriptions
+    whole and streamed. Every answer arrives, equal to its unfaulted one (the new engine reads the
+    media again; a speech request runs again from its audio)."""
     from training.train_speech_model import words
 
     client = md.openai()
     png, truth = picture(9_400)
-    body = chat_body(data_url(png), max_tokens=24, ignore_eos=True)
-    reference = "".join(c.choices[0].delta.content or "" for c in
+    body = chat_body(data_url(png), max_tokens=48, ignore_eos=True)
+    image_ref = "".join(c.choices[0].delta.content or "" for c in
                         client.chat.completions.create(**body, stream=True) if c.choices)
     audio = spoken("3141", "en")
     speech_ref = client.audio.transcriptions.create(model="speech", file=("d.wav", audio), temperature=0).text
     assert speech_ref.strip() == words("3141", "en"), speech_ref
-    for model in ("vision", "speech"):
-        pids = {c.component: c.pid for c in md.status().children}
-        results, errors, started = [], [], threading.Barrier(5)
 
-        def image_stream():
+    def in_flight(model: str, jobs, stop_first: bool) -> list:
+        pids = {c.component: c.pid for c in md.status().children}
+        worker = pids[f"worker:{model}:0"]
+        results, errors, shown = [], [], threading.Event()
+
+        def run(job):
             try:
-                started.wait(60)
-                results.append(("image", "".join(c.choices[0].delta.content or "" for c in
-                                                 client.chat.completions.create(**body, stream=True)
-                                                 if c.choices)))
+                results.append(job(shown, worker))
             except Exception as exc:  # noqa: BLE001 - the count is the assertion
                 errors.append(repr(exc))
 
-        def transcription():
-            try:
-                started.wait(60)
-                results.append(("speech", client.audio.transcriptions.create(
-                    model="speech", file=("d.wav", audio), temperature=0).text))
-            except Exception as exc:  # noqa: BLE001
-                errors.append(repr(exc))
-
-        threads = [threading.Thread(target=f) for f in (image_stream, image_stream, transcription, transcription)]
+        if not stop_first:
+            os.kill(worker, signal.SIGSTOP)  # nothing finishes until the kill
+        threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
         for t in threads:
             t.start()
-        started.wait(60)
-        time.sleep(0.3)  # event-proof: let the requests reach the engine before the kill
-        os.kill(pids[f"worker:{model}:0"], signal.SIGKILL)
+        if stop_first:
+            assert shown.wait(120), "no stream showed its first chunk"
+        wait_for(lambda: requests_running(md, model) >= len(jobs) - (1 if stop_first else 0), 60, interval=0.05,
+                 what=f"{model}'s requests in flight")
+        os.kill(worker, signal.SIGKILL)
         wait_for(lambda: md.child(f"engine_core:{model}").pid != pids[f"engine_core:{model}"]
                  and next(m.state for m in md.status().models if m.name == model) == "ready", 300,
                  interval=0.1, what=f"{model}'s group restarted", diagnose=lambda: md.log_tails("manager"))
         for t in threads:
             t.join(600)
         assert errors == [], (model, errors)
-        assert sorted(results) == sorted([("image", reference)] * 2 + [("speech", speech_ref)] * 2), results
+        return sorted(results)
+
+    def image_stream(shown, worker):
+        text = ""
+        for c in client.chat.completions.create(**body, stream=True):
+            if c.choices and c.choices[0].delta.content:
+                if not shown.is_set():
+                    shown.set()
+                    os.kill(worker, signal.SIGSTOP)  # mid-answer: the worker stops at once
+                text += c.choices[0].delta.content
+        return "image", text
+
+    def transcription(shown, worker, stream=False):
+        if stream:
+            chunks = client.audio.transcriptions.create(model="speech", file=("d.wav", audio), temperature=0,
+                                                        stream=True)
+            return "speech", "".join((c.choices[0]["delta"].get("content") or "") for c in chunks
+                                     if getattr(c, "choices", None))
+        return "speech", client.audio.transcriptions.create(model="speech", file=("d.wav", audio),
+                                                            temperature=0).text
+
+    got = in_flight("vision", [image_stream, image_stream], stop_first=True)
+    assert got == [("image", image_ref)] * 2, (got, image_ref)
+    got = in_flight("speech", [transcription, transcription, lambda s, w: transcription(s, w, stream=True)],
+                    stop_first=False)
+    assert got == [("speech", speech_ref)] * 3, (got, speech_ref)
     assert_nothing_running(md)
