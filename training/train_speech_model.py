@@ -22,10 +22,12 @@ Digit strings whose hash falls in the held-out bucket are never trained on;
 the model card reports exact-match accuracy on freshly synthesised held-out
 utterances (another seed).
 
-Usage::
+Usage (the bundled model is two stages, about 30 minutes on one core)::
 
-    python -m training.train_speech_model --out servectl/model/speech     # full run
-    python -m training.train_speech_model --out /tmp/s --smoke            # a minute
+    python -m training.train_speech_model --out /tmp/stage1 --seed 1234
+    python -m training.train_speech_model --out servectl/model/speech --init-from /tmp/stage1 --seed 4321
+    python -m training.train_speech_model --out /tmp/s --smoke            # half a minute
+    python -m training.train_speech_model --check-served http://127.0.0.1:18431/v1   # score a server
 """
 
 from __future__ import annotations
