@@ -30,7 +30,7 @@ import time
 from aiohttp import web
 
 from api_gateway.bodies import read_body
-from api_gateway.errors import HttpError
+from api_gateway.errors import HttpError, http_error_body
 from api_gateway.input_bounds import check_input, check_sequences, pooling_sequences
 from api_gateway.served import prefix_key
 from api_gateway.sse import stream_answer
@@ -163,6 +163,8 @@ class ApiEndpoints:
 
 def error_event(kind: str, exc: HttpError, sequence_number: int) -> str:
     """A failure after a stream began, as the API's ``error`` event (vLLM's shapes)."""
+    if kind in SPEECH_PATHS.values():  # a chunk stream, as chat's: its error object, then [DONE]
+        return f"data: {http_error_body(exc).decode()}\n\ndata: [DONE]\n\n"
     if kind == "messages":
         data = {"type": "error", "error": {"type": exc.type, "message": exc.message}}
     else:

@@ -85,6 +85,7 @@ class Intake:
             self._send(peer, P.RequestError(incarnation=self.spec.incarnation, request_id=rid, draining=True,
                                             message=f"model {self.spec.model.name!r} is being stopped", status=503))
             return
+        built = None
         try:
             built = self._build(msg)
             if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
@@ -96,6 +97,8 @@ class Intake:
         except Exception as exc:  # one request's failure never takes the engine down
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)
+            if built is not None:
+                self._forget_media(built)
             # Admission only looks at the request itself, so whatever it rejects is bad input:
             # vLLM's classification (status, message, parameter), never a 5xx.
             bad = refusal(exc)
@@ -114,6 +117,16 @@ class Intake:
         except Exception as exc:  # noqa: BLE001 - as at admission: vLLM's classification
             bad = refusal(exc)
             self._fail(peer, rid, str(bad), bad.status, bad.param)
+
+    def _forget_media(self, built: Built) -> None:
+        """A request rendered but never added to vLLM: its media leave the renderer's sender
+        cache, which took them for sent to the engine core's receiver (vLLM's ``lru`` cache). Kept,
+        the next request with the same media would go without it and fail as "cache drift"."""
+        hashes = built.engine_input.get("mm_hashes") if isinstance(built.engine_input, dict) else None
+        cache = getattr(getattr(self.engine, "renderer", None), "mm_processor_cache", None)
+        if hashes and cache is not None:
+            for mm_hash in (h for per_modality in hashes.values() for h in per_modality):
+                cache.invalidate(mm_hash)
 
     def _slice_added(self, rid: str, ids: list[str]) -> None:
         self.pooled.update((sub, rid) for sub in ids)

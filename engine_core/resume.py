@@ -60,9 +60,11 @@ def continue_request(built, resume: P.Resume) -> list[int]:
     defaults, the prompt rendered) the continuation of one of its choices. Returns the client's
     prompt's token ids."""
     engine_input = built.engine_input
-    if not isinstance(engine_input, dict) or engine_input.get("type", "token") != "token" \
+    # A prompt with media (vLLM's "multimodal" input) continues as text does: its placeholders
+    # stay where they are in the prompt, the output so far follows them.
+    if not isinstance(engine_input, dict) or engine_input.get("type", "token") not in ("token", "multimodal") \
             or "prompt_token_ids" not in engine_input:
-        raise ResumeError("only a prompt of token ids can be continued")
+        raise ResumeError("only a prompt of token ids (with or without media) can be continued")
     prompt = list(engine_input["prompt_token_ids"])
     params = built.params
     for name, value in continued_params(params.n, params.max_tokens, params.min_tokens or 0, params.seed,

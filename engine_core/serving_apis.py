@@ -235,7 +235,10 @@ class ApiRequest:
             # to vLLM under the same id (``next_built``); the client's request goes on.
             self.call = self.queued.pop(0)
             self.next = self._built(self.call)
-            return [P.Delta(request_id=ro.request_id, index=0, api_output=self._shown(items))]
+            shown = self._shown(items)
+            # Nothing to show (a language detected): no delta, so the client's answer has not begun
+            # (a crash now sends it again whole, stream or not: api_gateway/resume.py).
+            return [P.Delta(request_id=ro.request_id, index=0, api_output=shown)] if shown else []
         delta = P.Delta(request_id=ro.request_id, index=0,
                         text=comp.text if comp is not None else "",
                         token_ids=list(comp.token_ids) if comp is not None else [],
