@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="8")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p = ap.parse_args(argv)
@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 server = ServectlMedia(work, label=f"media-{i}")
                 server.start()
                 try:
-                    result = measure(server.base, server.proc, CELLS)
+                    # `servectl start` returns once both models are ready: measure none while the
+                    # other still loads on the same cores (vllm serve's rounds run one at a time).
+                    server.proc.wait(900)
+                    result = measure(server.base, None, CELLS)
                 finally:
                     server.stop()
             print(f"round {i + 1} {name}: " + ", ".join(
