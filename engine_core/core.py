@@ -34,7 +34,7 @@ from engine_core.gateway_handlers import GatewayMessages
 from engine_core.idle import IdleClock, IdleRelease
 from engine_core.intake import InFlight, Intake
 from engine_core.outputs import OutputFormatter
-from engine_core.request_types import BadRequest
+from engine_core.request_types import BadRequest, is_request_error
 from engine_core.slices import Slicing
 from engine_core.step_halves import StepHalves, WholeStep, step_halves
 from engine_core.workers import WorkerHung, engine_batch_queue
@@ -299,7 +299,9 @@ class EngineServer(ManagerMessages, GatewayMessages, Intake):
             except BadRequest as bad:  # vLLM's serving code answered with its error (serving_apis.py)
                 self._fail(peer, rid, str(bad), bad.status, bad.param)
                 continue
-            except Exception as exc:  # this request's output only: it fails, the others go on
+            except BaseException as exc:  # this request's output only: it fails, the others go on
+                if not is_request_error(exc):
+                    raise
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
                 continue

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine_core.request_types import Built, refusal
+from engine_core.request_types import Built, is_request_error, refusal
 from engine_core.resume import add_continued
 from servectl.wire import engine as P
 
@@ -94,7 +94,9 @@ class Intake:
                 built.add_to(self.engine, rid)
             else:
                 add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
-        except Exception as exc:  # one request's failure never takes the engine down
+        except BaseException as exc:  # one request's failure never takes the engine down
+            if not is_request_error(exc):
+                raise
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)
             if built is not None:
@@ -114,7 +116,9 @@ class Intake:
         """A request's next call to vLLM, under its id, once the one before it finished."""
         try:
             built.add_to(self.engine, rid)
-        except Exception as exc:  # noqa: BLE001 - as at admission: vLLM's classification
+        except BaseException as exc:  # noqa: BLE001 - as at admission: vLLM's classification
+            if not is_request_error(exc):
+                raise
             bad = refusal(exc)
             self._fail(peer, rid, str(bad), bad.status, bad.param)
 

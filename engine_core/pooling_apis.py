@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any
 
-from engine_core.request_types import BadRequest, OutputSpec, refusal
+from engine_core.request_types import BadRequest, OutputSpec, is_request_error, refusal
 from servectl.wire import engine as P
 
 log = logging.getLogger("engine_core")
@@ -98,7 +98,9 @@ class PoolingApis:
             return PooledBuilt(PoolingCall(serving, _request_type(module, name), body, answer_id, request_id))
         except BadRequest:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_request_error(exc):
+                raise
             raise refusal(exc) from None
 
 

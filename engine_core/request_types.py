@@ -30,7 +30,15 @@ class BadRequest(Exception):
         self.unexpected = unexpected
 
 
-def refusal(exc: Exception) -> BadRequest:
+def is_request_error(exc: BaseException) -> bool:
+    """What handling one request may raise without taking the engine down: any ``Exception``,
+    and a Rust library's panic (pyo3's ``PanicException``, a ``BaseException``, one class per
+    extension): pydantic-core panics on some malformed chat parts (an ``image_url`` part without
+    its URL) while vLLM parses them. Callers catch ``BaseException`` and re-raise the rest."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def refusal(exc: BaseException) -> BadRequest:
     """Any exception raised while admitting a request, classified the way vLLM's server does
     (``create_error_response``: its status, sanitised message and parameter). Admission looks
     only at the request, so what vLLM would call a server error is still the request's fault:
@@ -42,6 +50,9 @@ def refusal(exc: Exception) -> BadRequest:
     engine loop's unit tests never import vLLM through this."""
     if isinstance(exc, BadRequest):
         return exc
+    if not isinstance(exc, Exception):  # a library's panic over this request's input
+        return BadRequest(f"invalid request: it could not be parsed ({type(exc).__name__}: "
+                          f"{(str(exc).splitlines() or [''])[0]})")
     if sys.modules.get("vllm") is None:
         if isinstance(exc, (ValueError, TypeError)):
             return BadRequest((str(exc).splitlines() or [""])[0] or type(exc).__name__)

@@ -32,7 +32,7 @@ import logging
 from typing import Any
 
 from engine_core.driven import Driven, GenerateCall, ServingEngineClient, _SeededIds
-from engine_core.request_types import BadRequest, Built, OutputSpec, refusal
+from engine_core.request_types import BadRequest, Built, OutputSpec, is_request_error, refusal
 from engine_core.speech_apis import KINDS as SPEECH_KINDS
 from servectl.wire import engine as P
 
@@ -149,7 +149,9 @@ class ApiRequest:
         except BadRequest:
             self.close()
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_request_error(exc):
+                raise
             self.close()
             raise refusal(exc) from None
         if self.call is None:  # it ended without generating: vLLM's error response

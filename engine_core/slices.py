@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from engine_core.request_types import is_request_error
+
 
 class Slicing:
     def __init__(self, engine, added: Callable[[str, list[str]], None], failed: Callable[[str, Exception], None]):
@@ -36,7 +38,9 @@ class Slicing:
         for rid, call in list(self.calls.items()):
             try:
                 new = call.add_some(self.engine, stop)
-            except Exception as exc:  # noqa: BLE001 - vLLM's refusal of one input fails that request only
+            except BaseException as exc:  # noqa: BLE001 - vLLM's refusal of one input fails that request only
+                if not is_request_error(exc):
+                    raise
                 self.calls.pop(rid, None)
                 self.failed(rid, exc)
                 continue

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine_core.request_types import BadRequest, refusal
+from engine_core.request_types import BadRequest, is_request_error, refusal
 from engine_core.requests import RequestBuilder
 
 
@@ -37,7 +37,9 @@ class TokenizerEndpoints:
             raise BadRequest(f"unknown tokenizer request {kind!r}")
         try:
             return handler(body)
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_request_error(exc):
+                raise
             raise refusal(exc) from None
 
     def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import zmq
 
 import engine_core.core as core
 from engine_core.core import EngineServer, StepFailed
-from engine_core.request_types import Built, OutputSpec
+from engine_core.request_types import Built, OutputSpec, is_request_error, refusal
 from servectl.config import ModelConfig
 from servectl.wire import engine as P
 from servectl.wire.spawn import EngineSpec
@@ -575,3 +575,16 @@ def test_a_sliced_pooling_request_goes_on_while_a_steps_model_runs(server, monke
     server.engine.outputs = [output("g", 5)]
     server._step()  # the model runs and no reply is in: the slices go on meanwhile
     assert call.complete and server.intake_while_waiting == 1
+
+
+def test_a_librarys_panic_over_one_request_is_that_requests_400():
+    """pyo3's PanicException derives from BaseException: one request's malformed part made
+    pydantic-core panic inside vLLM's parser, and the engine died of it (tests/test_pooling.py)."""
+    class PanicException(BaseException):  # pyo3 makes one such class per Rust extension
+        pass
+
+    panic = PanicException("called `Option::unwrap()` on a `None` value")
+    assert is_request_error(panic) and is_request_error(ValueError("x"))
+    assert not is_request_error(KeyboardInterrupt()) and not is_request_error(SystemExit(1))
+    bad = refusal(panic)
+    assert bad.status == 400 and "could not be parsed" in str(bad)
