@@ -33,24 +33,31 @@ TYPES = {"completion": H.CompletionRequest, "chat": H.ChatCompletionRequest, "to
          **dict.fromkeys(("embeddings", "embed", "pooling", "score", "rerank", "classify"), H.PassthroughRequest)}
 
 
+async def read_bounded(request: web.Request, reading, cfg: GatewayConfig):
+    """What ``reading`` (the request's ``read()`` or ``post()``) gives, within ``max_body_bytes``
+    (413) and ``body_timeout_s`` (408)."""
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        reading.close()
+        raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of "
+                             f"{cfg.max_body_bytes}")
+    try:
+        # event-proof: a client sending its body; past the deadline it is a 408.
+        async with asyncio.timeout(cfg.body_timeout_s):
+            return await reading
+    except web.HTTPRequestEntityTooLarge:
+        raise HttpError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes") from None
+    except TimeoutError:
+        raise HttpError(408, f"the request body did not arrive within {cfg.body_timeout_s:g}s",
+                        code="body_timeout") from None
+
+
 async def read_body(request: web.Request, cfg: GatewayConfig, endpoint: str):
     """(the validated request, the supported fields as sent) of ``request``'s body for ``endpoint``."""
     ctype = request.headers.get("Content-Type")
     if not is_json_content_type(ctype):
         # Not text/plain nor a form: those a page may POST cross-site without a preflight.
         raise HttpError(415, f"unsupported content type {ctype or '(none)'!r}: send application/json")
-    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-        raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                             f"{cfg.max_body_bytes}")
-    try:
-        # event-proof: a client sending its body; past the deadline it is a 408.
-        async with asyncio.timeout(cfg.body_timeout_s):
-            body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise HttpError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes") from None
-    except TimeoutError:
-        raise HttpError(408, f"the request body did not arrive within {cfg.body_timeout_s:g}s",
-                        code="body_timeout") from None
+    body = await read_bounded(request, request.read(), cfg)
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:

@@ -14,11 +14,11 @@ JSON body, or its SSE stream; its errors are its 400s.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from aiohttp import web
 
+from api_gateway.bodies import read_bounded
 from api_gateway.errors import HttpError
 from api_gateway.passthrough import SPEECH_PATHS, ApiEndpoints
 from servectl.config import GatewayConfig
@@ -26,22 +26,13 @@ from servectl.config import GatewayConfig
 LIST_FIELDS = frozenset({"timestamp_granularities[]", "timestamp_granularities"})
 
 
-async def read_form(request: web.Request, max_body_bytes: int, body_timeout_s: float) -> dict:
+async def read_form(request: web.Request, cfg: GatewayConfig) -> dict:
     """The form's fields (strings, a repeated list field as a list) and ``file`` / ``filename``."""
     if request.content_type != "multipart/form-data":
         raise HttpError(415, f"unsupported content type {request.content_type or '(none)'!r}: send "
                              "multipart/form-data with the audio as `file`")
-    if request.content_length is not None and request.content_length > max_body_bytes:
-        raise HttpError(413, f"request body of {request.content_length} bytes exceeds the limit of {max_body_bytes}")
     try:
-        # event-proof: a client sending its upload; past the deadline it is a 408.
-        async with asyncio.timeout(body_timeout_s):
-            form = await request.post()
-    except web.HTTPRequestEntityTooLarge:
-        raise HttpError(413, f"request body exceeds the limit of {max_body_bytes} bytes") from None
-    except TimeoutError:
-        raise HttpError(408, f"the request body did not arrive within {body_timeout_s:g}s",
-                        code="body_timeout") from None
+        form = await read_bounded(request, request.post(), cfg)
     except ValueError as exc:  # a malformed multipart body
         raise HttpError(400, f"invalid form data: {exc}") from None
     fields: dict = {}
@@ -72,8 +63,7 @@ class SpeechEndpoints:
             app.router.add_post(path, self.speech)
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
-        cfg = self.cfg()
-        fields = await read_form(request, cfg.max_body_bytes, cfg.body_timeout_s)
+        fields = await read_form(request, self.cfg())
         stream = str(fields.get("stream", "")).lower() in ("true", "1", "yes", "on")
         return await self.apis.answer(request, SPEECH_PATHS[request.path], fields.get("model") or None, fields,
                                       stream)
