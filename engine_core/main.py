@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-fd", type=int, help="a memfd holding the EngineSpec as JSON (from the manager)")
     ap.add_argument("--key-fd", type=int)
     ap.add_argument("--worker-pidfds", default="")
+    ap.add_argument("--remote-listen-fd", type=int, help="ranks on other hosts dial this (TCP) socket")
     ap.add_argument("--check", action="store_true", help="validate engine arguments and exit")
     ap.add_argument("--engine-args", help="with --check: engine arguments as JSON")
     ap.add_argument("--chat", help="with --check: the model's tool_call_parser and tool_parser_plugin as JSON")
@@ -97,9 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         signer=Signer(key),
         reply_timeout_s=spec.worker_reply_timeout_s,
         distributed_init_method=f"file://{paths.root}/dist-{spec.group_name}-{spec.incarnation}",
+        init_methods=spec.init_methods or None,
         on_deadline=report_deadline,
         step_floor_s=spec.step_deadline_floor_s,
         step_multiple=spec.step_deadline_multiple,
+        remote_ranks=frozenset(spec.remote_ranks),
+        remote_listener=(socket.socket(fileno=args.remote_listen_fd) if args.remote_listen_fd is not None
+                         else None),
+        dead_after_s=spec.dead_after_s,
+        local_ranks=spec.local_ranks,
     )
     group.connect()
     from vllm.engine.arg_utils import EngineArgs

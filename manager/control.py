@@ -165,6 +165,21 @@ class ControlServer:
         self.audit.write(audit_record(time.time(), caller.peer if caller else UNKNOWN, msg, outcome,
                                       caller.via if caller else "signal"))
 
+    def record_cluster(self, addr: str, what: str, outcome: str, detail: str) -> None:
+        """Another host's manager joined or was refused (manager/cluster.py); refusals within
+        that address's budget, as a local peer's."""
+        record = {"time": audit_record(time.time(), UNKNOWN, what, outcome)["time"], "via": "cluster",
+                  "address": addr, "command": what, "outcome": outcome}
+        if detail:
+            record["reason"] = detail
+        if outcome == "denied":
+            suppressed = self.refusals.take(("cluster", addr, None), time.monotonic())
+            if suppressed is None:
+                return
+            if suppressed:
+                record["suppressed"] = suppressed
+        self.audit.write(record)
+
     def record_refusal(self, caller: Caller, msg) -> None:
         """A refusal's audit line (and log line), within its peer's budget; past it, counted and
         said with the peer's next one written (or before the next accepted line)."""

@@ -31,6 +31,9 @@ import zmq.asyncio
 from manager import status as report
 from manager.budget import Budget
 from manager.children import Child
+from manager.cluster import ClusterHead
+from manager.cluster_link import ClusterSecretError
+from manager.cluster_member import ClusterMember
 from manager.control import ControlServer
 from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
@@ -95,6 +98,16 @@ class Manager:
         # The served models' engine groups by group name (a model's name, or <model>@<i> for each
         # of its replicas): the one source of truth, shared with those that change or count them.
         self.groups: dict[str, EngineGroup] = {}
+        # A model spread over hosts: this host heads some (their engines are here) and runs ranks
+        # of others' (manager/cluster.py, cluster_member.py); it serves only the models it heads.
+        self.me = C.cluster.this_host(cfg.cluster) if any(m.hosts for m in cfg.models) else None
+        try:
+            self.cluster = (ClusterHead(cfg.cluster, self.me, self)
+                            if any(len(m.hosts) > 1 and m.hosts[0] == self.me for m in cfg.models) else None)
+            self.member = ClusterMember(cfg, self.me, self) if C.cluster.ranks_here(cfg) else None
+        except ClusterSecretError as exc:
+            raise StartupError(str(exc)) from None
+        cfg.models = C.cluster.engines_here(cfg)
         self.served = ServedModels(self, cfg.models)  # and the configuration's models (`configured`)
         self.groups.update((g.name, g) for m in cfg.models for g in self.served.new_groups(m))
         # max_loaded_models and memory_budget; a fraction's base is the device's memory.
@@ -171,6 +184,8 @@ class Manager:
 
     def on_group_change(self, group: EngineGroup) -> None:
         self.publish(report.group_event(group))
+        if self.cluster is not None and group.spread:
+            self.cluster.on_group_state(group)  # its other hosts learn it serves (their status says so)
         notify(f"STATUS=model {group.name}: {group.state}")
         self.served.changed(group)
         self.budget.changed(group)
@@ -202,7 +217,39 @@ class Manager:
 
     def children(self) -> list:
         return [*self.gateways.children(),
-                *(c for g in self.groups.values() for c in [*g.children, *self.standbys.of_model(g.name)])]
+                *(c for g in self.groups.values() for c in [*g.children, *self.standbys.of_model(g.name)]),
+                *(self.member.children() if self.member else [])]
+
+    # ---- other hosts (a model spread over hosts) ----------------------------------------
+    def on_cluster_change(self, host: str, joined: bool, detail: str) -> None:
+        self.publish(report.host_event(host, joined, detail))
+
+    def on_remote_rank(self, group: str) -> None:
+        g = self.groups.get(group)
+        if g is not None:
+            self.publish(report.group_event(g))
+
+    def reconfigure_cluster(self, new: C.Config) -> str | None:
+        """A reload's [cluster] and models' hosts: None when applied (new.models left as the
+        models whose engines run here), else why not. A host taking a new role (heading a spread
+        model, or running ranks for one, where it did neither) needs a restart."""
+        me = C.cluster.this_host(new.cluster) if any(m.hosts for m in new.models) else None
+        heads = any(len(m.hosts) > 1 and m.hosts[0] == me for m in new.models)
+        ranks = bool(C.cluster.ranks_here(new))
+        if me != self.me or heads != (self.cluster is not None) or ranks != (self.member is not None):
+            return "this host's part in [cluster] changed: restart servectl to apply it (docs/cluster.md)"
+        try:
+            if self.cluster is not None:
+                self.cluster.configure(new.cluster)
+            if self.member is not None:
+                self.member.configure(new)
+        except ClusterSecretError as exc:
+            return str(exc)
+        new.models = C.cluster.engines_here(new)
+        return None
+
+    def audit_cluster(self, addr: str, what: str, outcome: str, detail: str) -> None:
+        self.control.record_cluster(addr, what, outcome, detail)
 
     def child(self, component: str):
         """A supervised process by its component name (None if there is none now)."""
@@ -248,6 +295,8 @@ class Manager:
             await self.gateways.stop_all(drain + self.settings.stop_grace_s)
             for group in self.groups.values():
                 await group.stop(self.settings.stop_grace_s)
+            if self.member is not None:
+                await self.member.stop_all()
         except Exception:
             log.exception("shutdown failed; killing what is left")
             self.exit_code = self.exit_code or int(ExitCode.TASK_DIED)
@@ -322,8 +371,10 @@ class Manager:
                  self.gateway_cfg.host, self.gateways.port, self.config_path or "(none: built-in defaults)")
         # Restarted when one raises (the children go on being supervised meanwhile); past its
         # restarts the manager shuts down and exits TASK_DIED, and systemd restarts it.
-        control_tasks = [self.tasks.keep(factory, name, give_up=self.task_died)
-                         for name, factory in self.control.loops()]
+        loops = [*self.control.loops(), *(self.member.loops() if self.member else [])]
+        if self.cluster is not None:
+            loops.append(("cluster listener", self.cluster.serve))
+        control_tasks = [self.tasks.keep(factory, name, give_up=self.task_died) for name, factory in loops]
         for group in self.groups.values():
             self.served.start_group(group)
         self.gateways.start_all()

@@ -29,6 +29,7 @@ import msgspec
 
 from manager.budget import Budget
 from manager.children import Child, ChildState, RestartPolicy
+from manager.cluster import ClusterHead
 from manager.group_release import ReleaseAndWake
 from manager.launch import launch, member_envs
 from manager.lora_calls import LoraCalls
@@ -92,6 +93,7 @@ class GroupHost(Protocol):
     tasks: Tasks  # what the group starts in the background (an unload's stop)
     start_gate: StartGate  # one start at a time per device
     budget: Budget  # at most max_loaded_models loaded
+    cluster: ClusterHead | None  # the other hosts, where a model is spread over hosts
     shutting_down: bool  # nothing starts any more
 
     def child_env(self, extra: dict[str, str]) -> dict[str, str]: ...
@@ -119,7 +121,12 @@ class EngineGroup(ReleaseAndWake):
         self.policy = RestartPolicy(m.backoff_initial_s, m.backoff_max_s, cfg.crash_loop_count or m.crash_loop_count,
                                     m.crash_loop_window_s)
         self.engine = self._member(engine_component(self.name), ENGINE)
-        self.workers = [self._member(worker_component(self.name, r), WORKER) for r in range(cfg.tensor_parallel_size)]
+        # A model spread over hosts (cfg.hosts; manager/cluster.py): this host runs the first
+        # share of its ranks, the other hosts' managers the rest, at this host's request.
+        self.spread = len(cfg.hosts) > 1
+        local = C.cluster.ranks_on(cfg, cfg.hosts[0]) if self.spread else range(cfg.tensor_parallel_size)
+        self.workers = [self._member(worker_component(self.name, r), WORKER) for r in local]
+        self.lost_remote: str | None = None  # why this incarnation's engine was killed: a remote rank or host
         self.state = GroupState.STOPPED
         self.reason: str | None = None
         self.incarnation = ""
@@ -219,7 +226,8 @@ class EngineGroup(ReleaseAndWake):
             return
         if self.refuse_if_unfit():
             return
-        waits = self.host.budget.admit(self) or self.host.start_gate.admit(self)
+        waits = ((self.host.cluster.waits(self) if self.spread and self.host.cluster else None)
+                 or self.host.budget.admit(self) or self.host.start_gate.admit(self))
         if waits is not None:
             if self.reason != waits:
                 log.info("model %s: %s", self.name, waits)
@@ -238,6 +246,12 @@ class EngineGroup(ReleaseAndWake):
         self.release_mode = idle.mode
         if self.events_slot is None:
             self.events_slot = self.host.events_slot(self)
+        self.lost_remote = None
+        if self.spread and self.host.cluster:
+            remote = self.host.cluster.remote_part(self)
+            launch(self, self.host, idle, remote.key, remote)
+            self.host.cluster.run_remote(self, remote, self.host.settings.worker_reply_timeout_s)
+            return
         launch(self, self.host, idle, secrets.token_bytes(32))
 
     # ---- LoRA adapters ---------------------------------------------------------------------
@@ -271,12 +285,29 @@ class EngineGroup(ReleaseAndWake):
         why = self.permanent_failure or f"{self.engine.component} could not load the model"
         return f"{why}; not restarted: a restart cannot fix this (details: servectl logs {self.engine.component})"
 
+    def on_remote_lost(self, incarnation: str, why: str) -> None:
+        """A rank on another host exited, or its host's link was lost: the group's fate is one.
+        Its engine is killed now (it would notice the closed connection too, but not while
+        idle); its exit restarts the group, once every host it needs is back."""
+        if incarnation != self.incarnation or self.lost_remote is not None or not self.engine.alive:
+            return
+        if self.state not in (S.STARTING, S.READY, S.DRAINING, S.RELEASING, S.ASLEEP):
+            return
+        self.lost_remote = why
+        log.warning("model %s: %s: restarting the group", self.name, why)
+        self.engine.signal(signal.SIGCONT)
+        self.engine.signal(signal.SIGKILL)
+
     def on_member_exit(self, child: Child) -> None:
         self.lora_calls.fail_all()
+        if self.spread and self.host.cluster:
+            self.host.cluster.stop_remote(self)  # a hung remote rank goes too; a new start makes new ones
         if self.state in (S.STOPPING, S.STOPPED, S.RELEASED):
             return  # asked for
         was = self.state
         hung = " (killed as hung: a gateway saw no output in time)" if self.killed_hung else ""
+        if self.lost_remote is not None and child is self.engine:
+            hung = f" (killed: {self.lost_remote})"
         if self._swap({S.STARTING, S.READY, S.DRAINING, S.RELEASING, S.ASLEEP}, S.EXITED,
                       f"{child.component} {child.last_exit}{hung}"):
             self.exited_from = was
@@ -354,6 +385,8 @@ class EngineGroup(ReleaseAndWake):
                 self.restart_timer = None
             leaving = [] if keep_standbys else self.host.standbys.release_model(self.name)
             alive = [c for c in self.children if c.alive]
+            if self.spread and self.host.cluster:
+                self.host.cluster.stop_remote(self)
             self._enter(S.STOPPING)
             # Thaw first: a SIGTERM stays pending on a stopped process.
             for c in alive:

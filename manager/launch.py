@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from manager.children import Child
+from manager.cluster import RemotePart
 from manager.standbys import StandbyPool
 from manager.worker_cpus import worker_envs as cpu_worker_envs
 from servectl import config as C
@@ -58,22 +59,26 @@ class Launched(Protocol):
     events_slot: int | None
 
 
-def member_envs(cfg: C.ModelConfig, host: LaunchHost) -> tuple[dict[str, str], list[dict[str, str]]]:
+def member_envs(cfg: C.ModelConfig, host: LaunchHost, ranks: int | None = None,
+                extra: dict[str, str] | None = None) -> tuple[dict[str, str], list[dict[str, str]]]:
     """The engine's environment and each rank's (their standbys get the same): a worker's
-    OpenMP threads and CPUs as vLLM's executor would choose them (worker_cpus.py)."""
-    base = host.child_env(ENGINE_ENV | cfg.env)
+    OpenMP threads and CPUs as vLLM's executor would choose them (worker_cpus.py). ``ranks``:
+    those on this host (a model spread over hosts runs the others elsewhere); ``extra``: theirs."""
+    base = host.child_env(ENGINE_ENV | cfg.env | (extra or {}))
     if cfg.devices is not None:
         base["CUDA_VISIBLE_DEVICES"] = cfg.devices
-    worker_envs = [base | omp for omp in cpu_worker_envs(cfg.tensor_parallel_size, has_accelerator(), base)]
+    n = cfg.tensor_parallel_size if ranks is None else ranks
+    worker_envs = [base | omp for omp in cpu_worker_envs(n, has_accelerator(), base)]
     engine_env = dict(base)
     engine_env.setdefault("OMP_NUM_THREADS", "1")  # it schedules; the workers compute
     return engine_env, worker_envs
 
 
-def launch(group: Launched, host: LaunchHost, idle: C.IdlePolicy, key: bytes) -> None:
-    """Every member of a group that enters its start: workers, then the engine."""
+def launch(group: Launched, host: LaunchHost, idle: C.IdlePolicy, key: bytes, remote: RemotePart | None = None) -> None:
+    """Every member of a group that enters its start: workers, then the engine. ``remote``: the
+    part of a model spread over hosts that concerns the others (manager/cluster.py)."""
     root = str(host.runtime_dir)
-    engine_env, worker_envs = member_envs(group.cfg, host)
+    engine_env, worker_envs = member_envs(group.cfg, host, len(group.workers), remote.env if remote else None)
     for rank, worker in enumerate(group.workers):
         launch_member(host, worker, "engine_core.workers.worker",
                       ["--model", group.name, "--rank", str(rank), "--runtime-dir", root, "--key-fd", fd_ref(0)],
@@ -87,16 +92,23 @@ def launch(group: Launched, host: LaunchHost, idle: C.IdlePolicy, key: bytes) ->
         idle_release=idle.mode, sleep_level=idle.sleep_level, step_deadline_multiple=m.step_deadline_multiple,
         step_deadline_floor_s=m.step_deadline_floor_s,
         max_body_bytes=host.gateway_cfg.max_body_bytes, loras=list(group.loras), group=group.name,
-        replica=int(group.name.partition(REPLICA_MARK)[2] or 0), events_slot=group.events_slot),
+        replica=int(group.name.partition(REPLICA_MARK)[2] or 0), events_slot=group.events_slot,
+        **(dict(init_methods=remote.init_methods, remote_ranks=remote.remote_ranks, local_ranks=remote.local_ranks,
+                dead_after_s=remote.dead_after_s) if remote else {})),
         "servectl-engine-spec")
     pidfds = [w.pidfd for w in group.workers]
+    args = ["--key-fd", fd_ref(0), "--spec-fd", fd_ref(1),
+            "--worker-pidfds", ",".join(fd_ref(i + 2) for i in range(len(pidfds)))]
+    fds = [spec, *pidfds]
+    if remote is not None:
+        args += ["--remote-listen-fd", fd_ref(len(fds) + 1)]
+        fds.append(remote.listener.fileno())
     try:
-        launch_member(host, group.engine, "engine_core",
-                      ["--key-fd", fd_ref(0), "--spec-fd", fd_ref(1),
-                       "--worker-pidfds", ",".join(fd_ref(i + 2) for i in range(len(pidfds)))],
-                      [spec, *pidfds], key, engine_env)
+        launch_member(host, group.engine, "engine_core", args, fds, key, engine_env)
     finally:
         os.close(spec)
+        if remote is not None:
+            remote.listener.close()  # the engine holds it now
 
 
 def launch_member(host: LaunchHost, member: Child, module: str, args: list[str], extra_fds: list[int], key: bytes,

@@ -70,6 +70,7 @@ class ReloadHost(Protocol):
     standbys: StandbyPool
     gateways: GatewayPool
 
+    def reconfigure_cluster(self, new: C.Config) -> str | None: ...
     def bind_failure(self, gateway: C.GatewayConfig, exc: OSError) -> str: ...
 
 
@@ -96,6 +97,11 @@ class Reloader:
             notify("READY=1\nSTATUS=reload refused: config error")
             return False, str(exc)
         bad = check_model_paths(new, h.config_path, h.overrides)
+        if not bad:
+            # The other hosts and the cluster secret (rotated: the next links use it); then only
+            # the models this host runs engines for are compared with what it serves.
+            refused = h.reconfigure_cluster(new)
+            bad = [refused] if refused else []
         if bad:
             log.error("reload refused: %s", "; ".join(bad))
             notify("READY=1\nSTATUS=reload refused: config error")

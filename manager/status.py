@@ -23,8 +23,8 @@ from servectl import config as C
 from servectl.proc import ppid_of, rss_bytes
 from servectl.wire import control as P
 from servectl.wire import status as WS
-from servectl.wire.spawn import MODEL, engine_component, model_component
-from servectl.wire.vocab import ARMED, CHILD_DOWN, EventKind, ManagerState
+from servectl.wire.spawn import MODEL, engine_component, model_component, worker_component
+from servectl.wire.vocab import ARMED, CHILD_DOWN, ChildState, EventKind, ManagerState
 
 
 def child_event(child: Child, group: EngineGroup | None, detail: str) -> WS.Event:
@@ -40,6 +40,13 @@ def group_event(group: EngineGroup) -> WS.Event:
                    start_s=group.start_s, config_id=group.config_id, loras=list(group.loras),
                    unfit=group.unfit is not None,
                    hung=group.killed_hung and group.state in (GroupState.EXITED, GroupState.BACKOFF))
+
+
+def host_event(host: str, joined: bool, detail: str) -> WS.Event:
+    """Another host joined or left (a model spread over hosts): the event names it."""
+    return WS.Event(component=f"host:{host}", kind=EventKind.HOST, model=None,
+                    state=ChildState.READY if joined else ChildState.EXITED, pid=None, time=time.time(),
+                    detail=detail, host=host)
 
 
 def deadline_event(group: EngineGroup) -> WS.Event:
@@ -75,10 +82,27 @@ def status_reply(m: Supervised) -> P.StatusReply:
             component=c.component, kind=c.kind, model=c.model, pid=c.pid, ppid=ppid_of(c.pid), state=c.state,
             since=c.since, started_at=c.started_at if c.alive else None, restarts=c.restarts,
             last_exit=c.last_exit, last_log=c.tail(15) if c.state in CHILD_DOWN else [],
-            exit_code=c.exit_code, exit_signal=c.exit_signal)
-            for c in m.children()],
+            exit_code=c.exit_code, exit_signal=c.exit_signal, head=head_of(m, c))
+            for c in m.children()] + remote_children(m),
         models=[model_status(g, m.budget, m.start_gate, m.standbys) for g in m.groups.values()],
         budget=m.budget.status(), unloaded=[name for name in m.served.configured if not m.served.serves(name)])
+
+
+def head_of(m: "Supervised", child: Child) -> str | None:
+    """The host whose engine a rank run here serves (a member host's), or None."""
+    member = getattr(m, "member", None)
+    return member.head_of.get(child.model) if member is not None and child in member.children() else None
+
+
+def remote_children(m: "Supervised") -> list[WS.ChildStatus]:
+    """The ranks other hosts run for the groups headed here, as those hosts last said."""
+    cluster = getattr(m, "cluster", None)
+    if cluster is None:
+        return []
+    return [WS.ChildStatus(component=worker_component(g, r.rank), kind=EventKind.WORKER, model=g, pid=r.pid,
+                           ppid=None, state=r.state, since=r.since, started_at=None, restarts=0,
+                           last_exit=r.last_exit, host=r.host)
+            for g, r in cluster.remote_ranks()]
 
 
 def model_status(g: EngineGroup, budget: Budget, start_gate: StartGate, standbys: StandbyPool) -> WS.ModelStatus:

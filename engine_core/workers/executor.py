@@ -86,9 +86,10 @@ class WorkerGroupExecutor(Executor):
             kwargs = [{} for _ in range(world)]
             kwargs[rank] = dict(
                 vllm_config=self.vllm_config,
-                local_rank=rank,
+                local_rank=rank if self.group.local_ranks is None else self.group.local_ranks[rank],
                 rank=rank,
-                distributed_init_method=self.group.distributed_init_method,
+                distributed_init_method=(self.group.distributed_init_method if self.group.init_methods is None
+                                         else self.group.init_methods[rank]),
                 is_driver_worker=rank % tp == 0,
                 shared_worker_lock=None,
             )

@@ -92,6 +92,16 @@ class WorkerGroup(WorkerProcesses):
     check_peers: bool = True
     refused_peers: int = 0  # connections refused: their peer was not that rank's worker
     _refusals_logged: set = field(default_factory=set)  # (rank, pid) already logged
+    # Ranks on other hosts (a model spread over hosts): they dial ``remote_listener`` (TCP,
+    # bound by the manager) and prove the group key (remote.py); every reply of theirs signed.
+    remote_ranks: frozenset[int] = frozenset()
+    remote_listener: socket.socket | None = None
+    dead_after_s: float = 6.0  # how soon the kernel gives up on a silent host (TCP keepalive)
+    # Each rank's index among its host's ranks (vLLM's local_rank); None: the rank itself.
+    local_ranks: list[int] | None = None
+    # Each rank's rendezvous where they differ (a spread group: one URL, a per-host tail that
+    # keeps vLLM's CPU shared-memory all-reduce within a host); None: distributed_init_method.
+    init_methods: list[str] | None = None
     # The group's time (its deadlines, spins and step times) and its start-up retry's sleep:
     # the real ones; tests give a simulated clock (tests/hop_fixtures.py) so that no wait of
     # theirs is measured against the wall clock.
@@ -288,7 +298,8 @@ class WorkerGroup(WorkerProcesses):
 
     def _on_reply(self, rank: int, frames: list[bytes]) -> None:
         try:
-            if frames[0] or self.tokens_codec is None:  # signed (an unsigned one without a codec: rejected)
+            # Signed; an unsigned one without a codec, or from another host (no peer check), is rejected.
+            if frames[0] or self.tokens_codec is None or rank in self.remote_ranks:
                 reply_id, ok, value = self.signer.loads(frames)
                 self.signed_replies += 1
             else:

@@ -116,7 +116,7 @@ def read_available(sock: socket.socket, reader: FrameReader) -> tuple[list[list[
             data = sock.recv(want, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return frames, False
-        except (ConnectionResetError, BrokenPipeError):
+        except (ConnectionError, TimeoutError):  # reset, or a TCP peer's keepalive gave up (ETIMEDOUT)
             return frames, True
         if not data:
             return frames, True

@@ -3,7 +3,7 @@
 ``WorkerProcesses`` is a part of ``WorkerGroup`` (group.py), which keeps the
 calls, replies and deadlines; this part keeps the group's sockets (one Unix
 stream per rank, link.py), made at the first call, and the pidfds the manager
-passed in.
+passed in. A rank on another host dials in over TCP instead and proves itself (remote.py).
 
 Peers. Each rank's connection is made to a path in the runtime directory, which any
 process of the owner's uid could have bound instead (a relay that rewrites the unsigned
@@ -27,6 +27,7 @@ import zmq
 
 from engine_core.workers.link import FrameReader, peer_credentials, pidfd_pid
 from engine_core.workers.pending_call import WorkerHung
+from engine_core.workers.remote import accept_rank
 
 log = logging.getLogger("engine_core.executor")
 
@@ -36,7 +37,8 @@ CONNECT_RETRY_S = 0.01
 
 
 class WorkerProcesses:
-    """Uses ``WorkerGroup``'s fields: ``worker_paths``, ``pidfds``, ``check_peers``, ``refused_peers``,
+    """Uses ``WorkerGroup``'s fields: ``worker_paths``, ``pidfds``, ``remote_ranks``, ``remote_listener``,
+    ``dead_after_s``, ``signer``, ``check_peers``, ``refused_peers``,
     ``clock``, ``sleep``, ``sockets``, ``readers``, ``frozen``, ``outstanding``, ``on_freeze_change``."""
 
     def connect(self) -> None:
@@ -49,6 +51,8 @@ class WorkerProcesses:
         self.rank_of: dict[int, int] = {}  # fd -> rank
 
     def _connect_rank(self, rank: int, deadline: float) -> socket.socket:
+        if rank in self.remote_ranks:
+            return self._accept_remote(rank, deadline)
         path = self.worker_paths[rank]
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -67,11 +71,26 @@ class WorkerProcesses:
             # Only before the group's first call reaches a worker that is still starting
             # (it listens before importing vLLM), bounded by that call's deadline.
             self.sleep(CONNECT_RETRY_S)  # event-proof: a start-up retry, never while serving
+        return self._keep(rank, sock)
+
+    def _keep(self, rank: int, sock: socket.socket) -> socket.socket:
         self.sockets[rank] = sock
         self.rank_of[sock.fileno()] = rank
         self.poller.register(sock.fileno(), zmq.POLLIN)
         self.wake_poller.register(sock.fileno(), zmq.POLLIN)
         return sock
+
+    def _accept_remote(self, rank: int, deadline: float) -> socket.socket:
+        """Ranks on other hosts dial in (remote.py), in any order: each connection that proves
+        to be a rank still missing is kept, until ``rank``'s is in or the deadline passes."""
+        while self.sockets[rank] is None:
+            missing = {r for r in self.remote_ranks if self.sockets[r] is None}
+            got = accept_rank(self.remote_listener, self.signer, missing, deadline, self.dead_after_s)
+            if got is None:
+                raise WorkerHung(f"worker rank {rank} (on another host) did not connect to the engine in time")
+            self._keep(*got)
+            log.info("worker rank %d connected from another host", got[0])
+        return self.sockets[rank]
 
     def _stranger(self, rank: int, sock: socket.socket) -> str | None:
         """Why the peer of ``sock`` is not rank ``rank``'s worker, or None when it is (or no pidfd

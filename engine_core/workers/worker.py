@@ -36,6 +36,7 @@ import zmq
 
 from engine_core.load_errors import RemoteFailure, permanent_reason
 from engine_core.workers.link import FrameError, listen_private, read_available
+from engine_core.workers.remote import dial_engine
 from engine_core.workers.replies import Connections, Replies
 from engine_core.workers.signing import BadSignature, Signer, read_key
 from engine_core.workers.spin import WORKER_SPIN_ENV, spin_seconds
@@ -53,11 +54,15 @@ class _NoAsync:  # stands in for AsyncModelRunnerOutput where none can occur
     pass
 
 
-def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
+def serve(listener: socket.socket | None, ctx: zmq.Context, signer: Signer, rank: int, log, wrapper: Any = None,
           run_method: Callable[..., Any] | None = None, async_type: type | None = None,
           thread_init: Callable[[], None] | None = None, tokens_codec: TokensReplyCodec | None = None,
-          resolve_inline: bool | None = None) -> None:
+          resolve_inline: bool | None = None, engine: socket.socket | None = None) -> None:
     """The worker loop on a listening socket. Returns when ``ctx`` (the output thread's) is terminated.
+
+    A rank on another host has no listener: it is given its one ``engine`` connection
+    (remote.py) and returns when that closes (its engine is gone; its host's manager or the
+    head starts a new group).
 
     ``wrapper``, ``run_method`` and ``async_type`` default to vLLM's
     ``WorkerWrapperBase``, ``run_method`` and ``AsyncModelRunnerOutput``, and
@@ -113,9 +118,13 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
     conns = Connections(log, poller)
     replies = Replies(ctx, conns, signer, log, async_type or _NoAsync, thread_init or (lambda: None), tokens_codec,
                       bool(resolve_inline))
-    listener.setblocking(False)
-    listen_fd = listener.fileno()
-    poller.register(listen_fd, zmq.POLLIN)
+    listen_fd = -1
+    if listener is not None:
+        listener.setblocking(False)
+        listen_fd = listener.fileno()
+        poller.register(listen_fd, zmq.POLLIN)
+    if engine is not None:
+        conns.add(engine)
     poller.register(replies.pair, zmq.POLLIN)
     spin_s = spin_seconds(WORKER_SPIN_ENV)
     spin_until = 0.0
@@ -144,12 +153,16 @@ def serve(listener: socket.socket, ctx: zmq.Context, signer: Signer, rank: int, 
                     replies.forward()
                 if frames_list:
                     spin_until = time.perf_counter() + spin_s
+            if engine is not None and not conns.socks:
+                log.warning("the engine's connection closed: exiting")
+                return
     except zmq.ContextTerminated:
         pass
     finally:
         replies.close()
         conns.close_all()
-        listener.close()
+        if listener is not None:
+            listener.close()
 
 
 def _accept(listener: socket.socket, conns: Connections) -> None:
@@ -216,10 +229,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--runtime-dir", required=True)
     ap.add_argument("--key-fd", type=int, required=True)
+    ap.add_argument("--dial", help="ADDR:PORT: a rank on another host dials its engine there (remote.py)")
+    ap.add_argument("--dial-timeout-s", type=float, default=60.0)
+    ap.add_argument("--dead-after-s", type=float, default=6.0)
     args = ap.parse_args(argv)
     die_with_parent()
     log = setup_child_logging(f"worker[{args.model}:{args.rank}]")
     signer = Signer(read_key(args.key_fd))
+    if args.dial:
+        addr, _, port = args.dial.rpartition(":")
+        try:
+            engine = dial_engine(addr, int(port), signer, args.rank, time.monotonic() + args.dial_timeout_s,
+                                 args.dead_after_s)
+        except OSError as exc:
+            log.error("cannot reach the engine at %s: %s", args.dial, exc)
+            return 1
+        log.info("connected to the engine at %s", args.dial)
+        # No peer check is possible across hosts: every reply is a signed pickle (the engine
+        # refuses an unsigned one from a remote rank).
+        os.environ[TOKENS_REPLY_ENV] = "0"
+        serve(None, zmq.Context(), signer, args.rank, log, engine=engine)
+        return 0
     path = RuntimePaths(Path(args.runtime_dir)).worker(args.model, args.rank)
     listener = listen_private(path)
     log.info("listening on %s", path)

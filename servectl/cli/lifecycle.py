@@ -194,13 +194,17 @@ def status(runtime_dir, as_json):
     say(common.console, f"manager pid {st.manager_pid}, {st.state}, up {fmt_age(st.started_at)}, "
                  f"http://{st.host}:{st.port}, instance {st.instance}")
     table = Table(show_lines=False)
-    for col in ("component", "model", "pid", "state", "uptime", "restarts", "RSS", "CPU%", "last exit"):
+    # A model spread over hosts: where each rank runs (the head's view), or whose engine it serves.
+    hosts = any(c.host or c.head for c in st.children)
+    for col in ("component", "model", *(("host",) if hosts else ()), "pid", "state", "uptime", "restarts", "RSS",
+                "CPU%", "last exit"):
         table.add_column(col)
     for c in st.children:
-        rss, cpu = proc_usage(c.pid)
+        rss, cpu = ("-", "-") if c.host else proc_usage(c.pid)  # another host's pid is not ours to read
         color = {ChildState.READY: "green", ChildState.FROZEN: "blue", ChildState.FAILED: "red"}.get(c.state, "yellow")
+        where = (c.host or (f"here, for {c.head}" if c.head else "here"),) if hosts else ()
         # Text cells: a str cell would be read as markup and emoji codes.
-        table.add_row(*map(Text, (c.component, c.model or "-", str(c.pid or "-"))), Text(c.state, style=color),
+        table.add_row(*map(Text, (c.component, c.model or "-", *where, str(c.pid or "-"))), Text(c.state, style=color),
                       *map(Text, (fmt_age(c.started_at), str(c.restarts), rss, cpu, c.last_exit or "-")))
     common.console.print(table)
     common.console.print(models_table(st.models))

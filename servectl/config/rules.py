@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from servectl import kv_events
+from servectl.config import cluster
 from servectl.config.schema import (DEFAULT_ENGINE_ARGS, FRONTEND_KEYS, Config, ConfigError, LoraModule,
                                     ManagerConfig, ModelConfig, Overrides, default_model)
 from servectl.memory import Amount, check_budget, parse_size
@@ -68,6 +69,7 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"config error{where}: models.{m.name}.expected_memory: {exc}") from None
     check_lora_names(cfg.models, where)
+    cluster.check(cfg, where)
     clash = kv_events.port_clash(cfg.models, cfg.gateway.port)
     if clash:
         raise ConfigError(f"config error{where}: {clash}")

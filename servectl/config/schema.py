@@ -207,11 +207,30 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # `kv_events_network` lets a TCP endpoint be off loopback (block hashes only, unauthenticated).
     kv_events_token_ids: bool = False
     kv_events_network: bool = False
+    # A model spread over hosts ([cluster] names them): the first is its head (its engine and
+    # its first ranks), each runs an equal share of the ranks, in order (docs/cluster.md).
+    hosts: list[str] = []
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Hosts that serve one model together (docs/cluster.md): every host runs servectl from
+    the same file; a model's head dials nobody, its other hosts' managers dial the head."""
+
+    hosts: dict[str, str] = {}  # name -> the host's IP address on the cluster's network
+    # Which of ``hosts`` this one is; "" finds it by its address being on this machine.
+    this_host: str = ""
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 7470  # the head's manager listens here
+    # The shared secret (a file readable by its owner only: never argv or the environment).
+    secret_file: str = ""
+    # A silent host (its link cut, its machine gone) is given up on after this long (TCP
+    # keepalive: the kernel's timer, not ours), its ranks' group restarted when it is back.
+    dead_after_s: Annotated[float, msgspec.Meta(ge=2)] = 6.0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     models: list[ModelConfig] = msgspec.field(default_factory=list)
 
 

@@ -16,7 +16,6 @@ from typing import Union
 
 import msgspec
 
-from servectl.config import ModelConfig
 from servectl.wire.vocab import ChildState
 
 CLUSTER_PROTOCOL = 1
@@ -67,11 +66,16 @@ class RankSpec(msgspec.Struct, kw_only=True, frozen=True):
 class RunRanks(_Msg, tag="run_ranks"):
     """Start these ranks of one engine group's incarnation. The hop key is derived on both
     hosts from the cluster secret and ``nonce`` (never sent); the ranks dial the engine at
-    ``engine_addr``:``engine_port`` and meet the others at ``init_method`` (torch's rendezvous)."""
+    ``engine_addr``:``engine_port`` and meet the others at ``init_method`` (torch's rendezvous).
+
+    The model is named, never described: the member runs it as its own configuration file
+    says (path, engine arguments, env), and only if that configuration's identity is
+    ``config_id`` too. A head can ask for nothing the member's operator did not configure."""
 
     group: str
     incarnation: str
-    model: ModelConfig
+    model: str
+    config_id: str
     ranks: list[RankSpec]
     world_size: int
     nonce: bytes
@@ -88,7 +92,14 @@ class StopRanks(_Msg, tag="stop_ranks"):
     keep: str = ""
 
 
-HEAD_TO_MEMBER = Union[RunRanks, StopRanks, Refused, Challenge]
+class GroupServing(_Msg, tag="group_serving"):
+    """The group this member runs ranks of serves (all its ranks are in): said in their status."""
+
+    group: str
+    incarnation: str
+
+
+HEAD_TO_MEMBER = Union[RunRanks, StopRanks, GroupServing, Refused, Challenge]
 
 
 # ---- member → head ------------------------------------------------------------------

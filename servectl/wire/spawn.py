@@ -74,6 +74,14 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # Where its KV-cache events go, if the model publishes them (servectl/kv_events.py): this
     # group's slot (-1: the system picks the port).
     events_slot: int = 0
+    # A model spread over hosts (manager/cluster.py): torch's rendezvous (tcp://head:port; ""
+    # is a file in the runtime directory), the ranks on other hosts (they dial the listening
+    # socket passed as --remote-listen-fd), each rank's index on its host, and how soon the
+    # kernel gives up on a silent host.
+    init_methods: list[str] = []
+    remote_ranks: list[int] = []
+    local_ranks: list[int] | None = None
+    dead_after_s: float = 6.0
 
     @property
     def group_name(self) -> str:

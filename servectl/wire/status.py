@@ -28,6 +28,10 @@ class ChildStatus(msgspec.Struct, kw_only=True):
     # The last exit as the kernel said it: its status (it exited) or its signal's number (killed).
     exit_code: int | None = None
     exit_signal: int | None = None
+    # A model spread over hosts: the host a rank runs on (None: this one), and for a rank this
+    # host runs for another's engine, that host (its head).
+    host: str | None = None
+    head: str | None = None
 
 
 class ModelStatus(msgspec.Struct, kw_only=True):
@@ -116,6 +120,8 @@ class Event(msgspec.Struct, kw_only=True):
     # Model events: this engine lifetime was killed as hung (a gateway's GroupHung): its requests
     # that had produced nothing are not sent to the next one (api_gateway/sequences.py).
     hung: bool = False
+    # HOST events: the other host that joined or left (a model spread over hosts).
+    host: str | None = None
 
 
 event_decoder = msgspec.msgpack.Decoder(Event)

@@ -92,6 +92,7 @@ class EventKind(enum.StrEnum):
     STANDBY = "standby"
     MODEL = "model"
     DEADLINE = "deadline"  # an engine's published step deadline (Event.step_deadline_s)
+    HOST = "host"  # another host joined or left (a model spread over hosts; Event.host)
 
 
 # Event.state of a DEADLINE event.
