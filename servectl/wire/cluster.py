@@ -49,7 +49,8 @@ class Proof(_Msg, tag="proof"):
 
 
 class Refused(_Msg, tag="refused"):
-    """Head → member, then the link is closed: why (never anything about the secret)."""
+    """Head → member, then the link is closed: why (never anything about the secret). A member
+    whose check of the head's proof fails also sends one ("wrong cluster secret"), for the head's log."""
 
     reason: str
 
