@@ -54,7 +54,8 @@ class RemotePart:
 
     key: bytes  # the hop key: derived from the secret on every host, never sent
     nonce: bytes
-    listener: socket.socket  # the remote ranks dial it; passed to the engine
+    listener: socket.socket  # the remote ranks dial it; passed to the engine (then closed here)
+    port: int  # its port
     init_methods: list[str]  # torch's rendezvous (tcp://head:port), as each rank gets it
     remote_ranks: list[int]
     local_ranks: list[int]  # each rank's index on its host (vLLM's local_rank)
@@ -86,10 +87,14 @@ class HeadHost(Protocol):
 
 
 def interface_of(addr: str) -> str | None:
-    """The network interface holding ``addr`` (gloo's GLOO_SOCKET_IFNAME), or None."""
+    """The network interface holding ``addr`` (gloo's GLOO_SOCKET_IFNAME), or None: a loopback
+    address is lo's; otherwise the interface whose (first) IPv4 address it is."""
     import fcntl
+    import ipaddress
     import struct
 
+    if ipaddress.ip_address(addr).is_loopback:
+        return "lo"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
@@ -106,8 +111,10 @@ def hop_key(secret: bytes, group: str, incarnation: str, nonce: bytes) -> bytes:
 
 
 def gloo_env(addr: str) -> dict[str, str]:
+    """Where torch's gloo (and NCCL's bootstrap) meet the other hosts: the interface of this
+    host's cluster address, not whatever the machine's hostname resolves to. A model's env wins."""
     ifname = interface_of(addr)
-    return {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
+    return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else {}
 
 
 class ClusterHead:
@@ -214,6 +221,7 @@ class ClusterHead:
         mine = set(C.cluster.ranks_on(cfg, self.me))
         return RemotePart(
             key=hop_key(self.secret, group.name, group.incarnation, nonce), nonce=nonce, listener=listener,
+            port=listener.getsockname()[1],
             # ?host=: vLLM's CPU workers name their shared-memory all-reduce after this URL's tail;
             # a per-host tail keeps ranks on different hosts off it (they use gloo, over the network).
             init_methods=[f"tcp://{self.addr}:{store_port}?host={host_of[r]}" for r in range(C.cluster.world_size(cfg))],
@@ -224,7 +232,7 @@ class ClusterHead:
     def run_remote(self, group: Spread, part: RemotePart, reply_timeout_s: float) -> None:
         """Ask every other host of the group to start its ranks of this incarnation."""
         self.ranks[group.name] = {}
-        port = part.listener.getsockname()[1]
+        port = part.port
         for h in group.cfg.hosts[1:]:
             ranks = C.cluster.ranks_on(group.cfg, h)
             for r in ranks:

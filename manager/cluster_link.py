@@ -24,6 +24,8 @@ from typing import Union
 
 import msgspec
 
+from servectl.tcp import tune_socket  # noqa: F401 - used below, and by tests as this module's
+
 from servectl.wire import cluster as wire
 
 FRAME_MAX = 16 << 20  # bytes of one frame's payload
@@ -85,17 +87,6 @@ def read_secret(path: str | os.PathLike) -> bytes:
         raise bad(f"holds {len(secret)} bytes, and a cluster secret needs at least {SECRET_MIN} "
                   f"(e.g. `head -c 32 /dev/urandom | base64`)")
     return secret
-
-
-def tune_socket(sock: socket.socket, dead_after_s: float) -> None:
-    """The kernel notices a dead peer within ~dead_after_s: keepalive when idle, TCP_USER_TIMEOUT when not."""
-    idle = max(1, int(dead_after_s / 3))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small control messages, sent now
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(dead_after_s - idle)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after_s * 1000))
 
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[bytes, bytes]:
@@ -196,10 +187,14 @@ def _same_ip(a: str, b: str) -> bool:
         return False
 
 
-async def dial(addr: str, port: int, secret: bytes, this_host: str, *, dead_after_s: float = 6.0) -> Link:
+async def dial(addr: str, port: int, secret: bytes, this_host: str, *, dead_after_s: float = 6.0,
+               local_addr: str | None = None) -> Link:
     """The member's side: connect to the head at ``addr``:``port`` and prove both ends.
-    Raises OSError (TimeoutError included) if no connection is made, Refusal if it is not proven."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), HANDSHAKE_TIMEOUT_S)
+    Raises OSError (TimeoutError included) if no connection is made, Refusal if it is not proven.
+    ``local_addr``: this host's configured address, the connection's source (the head checks
+    it; a host with several addresses would otherwise pick one by its routes)."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(addr, port, local_addr=(local_addr, 0) if local_addr else None), HANDSHAKE_TIMEOUT_S)
     who = f"the head at {addr}"
     try:
         tune_socket(writer.get_extra_info("socket"), dead_after_s)

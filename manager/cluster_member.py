@@ -83,7 +83,7 @@ class ClusterMember:
         while not self.host.shutting_down:
             try:
                 link = await dial(self.cluster.hosts[head], self.cluster.port, self.secret, self.me,
-                                  dead_after_s=self.cluster.dead_after_s)
+                                  dead_after_s=self.cluster.dead_after_s, local_addr=self.cluster.hosts[self.me])
             except (OSError, Refusal) as exc:
                 why = getattr(exc, "reason", None) or str(exc)
                 if why != said:  # said once per reason, not once per try
@@ -140,7 +140,9 @@ class ClusterMember:
         self.head_of[msg.group] = head
         self.incarnation[msg.group] = msg.incarnation
         key = hop_key(self.secret, msg.group, msg.incarnation, msg.nonce)
-        base = self.host.child_env(ENGINE_ENV | m.env | gloo_env(self.cluster.hosts[self.me]))
+        base = self.host.child_env(ENGINE_ENV | gloo_env(self.cluster.hosts[self.me]) | m.env)
+        if m.devices is not None:  # this host's devices for its ranks (its own file says which)
+            base["CUDA_VISIBLE_DEVICES"] = m.devices if isinstance(m.devices, str) else m.devices[0]
         envs = [base | omp for omp in cpu_worker_envs(len(msg.ranks), has_accelerator(), base)]
         for spec, env in zip(msg.ranks, envs):
             component = worker_component(msg.group, spec.rank)

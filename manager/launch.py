@@ -64,7 +64,7 @@ def member_envs(cfg: C.ModelConfig, host: LaunchHost, ranks: int | None = None,
     """The engine's environment and each rank's (their standbys get the same): a worker's
     OpenMP threads and CPUs as vLLM's executor would choose them (worker_cpus.py). ``ranks``:
     those on this host (a model spread over hosts runs the others elsewhere); ``extra``: theirs."""
-    base = host.child_env(ENGINE_ENV | cfg.env | (extra or {}))
+    base = host.child_env(ENGINE_ENV | (extra or {}) | cfg.env)
     if cfg.devices is not None:
         base["CUDA_VISIBLE_DEVICES"] = cfg.devices
     n = cfg.tensor_parallel_size if ranks is None else ranks

@@ -13,7 +13,6 @@ import socket
 import pytest
 
 from manager import cluster_link as cl
-from servectl.config import ModelConfig
 from servectl.wire import cluster as wire
 from servectl.wire.vocab import ChildState
 
@@ -69,7 +68,7 @@ def payload_of(frame: bytes) -> bytes:
     return frame[4 + 32:]
 
 
-RUN = wire.RunRanks(group="g", incarnation="i1", model=ModelConfig(name="m", model="/x"),
+RUN = wire.RunRanks(group="g", incarnation="i1", model="m", config_id="0123456789abcdef",
                     ranks=[wire.RankSpec(rank=1, local_rank=0)], world_size=2, nonce=b"n" * 32,
                     engine_addr="10.0.0.1", engine_port=1234, init_method="tcp://10.0.0.1:29500",
                     worker_reply_timeout_s=30.0)

@@ -23,20 +23,10 @@ import time
 
 from engine_core.workers.link import FrameReader, send_frames
 from engine_core.workers.signing import BadSignature, Signer
+from servectl.tcp import tune_socket
 
 CHALLENGE = "servectl-challenge"
 HELLO = "servectl-hello"
-
-
-def tune(sock: socket.socket, dead_after_s: float) -> None:
-    """Keepalive and a user timeout: the kernel closes a connection to a dead peer within ~dead_after_s."""
-    idle = max(1, int(dead_after_s / 3))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(dead_after_s) - idle))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after_s * 1000))
 
 
 def _read_one(sock: socket.socket, deadline: float) -> list[bytes] | None:
@@ -88,7 +78,7 @@ def accept_rank(listener: socket.socket, signer: Signer, wanted: set[int], deadl
         except (BadSignature, TypeError, ValueError):
             kind = None
         if kind == HELLO and echoed == nonce and rank in wanted:
-            tune(sock, dead_after_s)
+            tune_socket(sock, dead_after_s)
             return rank, sock
         signer.rejected += 1
         sock.close()
@@ -112,6 +102,6 @@ def dial_engine(addr: str, port: int, signer: Signer, rank: int, deadline: float
     except BaseException:
         sock.close()
         raise
-    tune(sock, dead_after_s)
+    tune_socket(sock, dead_after_s)
     return sock
 
