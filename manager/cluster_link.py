@@ -171,6 +171,7 @@ async def _exchange(reader, writer, who: str, say=None, hear: msgspec.msgpack.De
                 raise LinkClosed("a handshake frame carried a MAC")
             return hear.decode(payload)
     try:
+        # event-proof: one bounded wait per handshake step; a peer that says nothing is refused.
         return await asyncio.wait_for(step(), HANDSHAKE_TIMEOUT_S)
     except TimeoutError:
         raise Refusal(f"{who} did not finish the handshake within {HANDSHAKE_TIMEOUT_S:g} s") from None
@@ -193,7 +194,7 @@ async def dial(addr: str, port: int, secret: bytes, this_host: str, *, dead_afte
     Raises OSError (TimeoutError included) if no connection is made, Refusal if it is not proven.
     ``local_addr``: this host's configured address, the connection's source (the head checks
     it; a host with several addresses would otherwise pick one by its routes)."""
-    reader, writer = await asyncio.wait_for(
+    reader, writer = await asyncio.wait_for(  # event-proof: a bounded connect, once per dial
         asyncio.open_connection(addr, port, local_addr=(local_addr, 0) if local_addr else None), HANDSHAKE_TIMEOUT_S)
     who = f"the head at {addr}"
     try:

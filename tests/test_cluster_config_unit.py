@@ -75,3 +75,14 @@ def test_the_head_starts_the_engine_and_a_member_only_runs_ranks():
 ])
 def test_a_bad_cluster_is_refused_naming_the_key(tmp_path, text, says):
     assert says in config_error(tmp_path, text)
+
+
+def test_config_check_says_what_this_host_does():
+    from servectl.cli.config_check import cluster_lines
+
+    text = CLUSTER + model("big", "hosts = ['a', 'b']")
+    assert cluster_lines(config_from_text(text)) == [
+        "this host is a (127.0.0.1)", "model big: head (engine and ranks [0]); the others: b ranks [1]"]
+    member = config_from_text(text.replace("[cluster]\n", "[cluster]\nthis_host = 'b'\n"))
+    assert cluster_lines(member)[1] == "model big: ranks [1] here, for the head a"
+    assert cluster_lines(config_from_text(model("solo", tp=1))) == []

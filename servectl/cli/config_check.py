@@ -34,8 +34,25 @@ def config_check(path):
     config_errors_exit(check_model_paths(cfg, found) or check_engine_args(cfg))
     for warning in budget_warnings(cfg):
         say(common.err, (f"warning: {warning}", "yellow"))
+    for line in cluster_lines(cfg):
+        say(common.err, line)
     say(common.err, f"effective configuration ({found or 'built-in defaults'}; API keys and env values redacted):")
     click.echo(msgspec.json.format(msgspec.json.encode(C.redacted(cfg)), indent=2).decode())
+
+
+def cluster_lines(cfg: C.Config) -> list[str]:
+    """What this host does for the models spread over hosts (docs/cluster.md)."""
+    if not any(m.hosts for m in cfg.models):
+        return []
+    me = C.cluster.this_host(cfg.cluster)
+    lines = [f"this host is {me} ({cfg.cluster.hosts[me]})"]
+    for m in cfg.models:
+        if len(m.hosts) > 1 and m.hosts[0] == me:
+            lines.append(f"model {m.name}: head (engine and ranks {C.cluster.ranks_on(m, me)}); the others: "
+                         + ", ".join(f"{h} ranks {C.cluster.ranks_on(m, h)}" for h in m.hosts[1:]))
+        elif me in m.hosts[1:]:
+            lines.append(f"model {m.name}: ranks {C.cluster.ranks_on(m, me)} here, for the head {m.hosts[0]}")
+    return lines
 
 
 def check_engine_args(cfg: C.Config) -> list[str]:
