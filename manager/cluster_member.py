@@ -155,7 +155,8 @@ class ClusterMember:
                              "--rank", str(spec.rank), "--runtime-dir", str(self.host.runtime_dir),
                              "--key-fd", str(fd), "--dial", f"{msg.engine_addr}:{msg.engine_port}",
                              "--dial-timeout-s", str(msg.worker_reply_timeout_s),
-                             "--dead-after-s", str(self.cluster.dead_after_s)], env, (fd,))
+                             "--dead-after-s", str(self.cluster.dead_after_s),
+                             "--source-addr", self.cluster.hosts[self.me]], env, (fd,))
             finally:
                 os.close(fd)
             self.host.watch(child)

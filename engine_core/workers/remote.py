@@ -86,9 +86,11 @@ def accept_rank(listener: socket.socket, signer: Signer, wanted: set[int], deadl
 
 
 def dial_engine(addr: str, port: int, signer: Signer, rank: int, deadline: float,
-                dead_after_s: float) -> socket.socket:
-    """Connect to the engine and answer its challenge (a rank's side); OSError when it cannot."""
-    sock = socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic()))
+                dead_after_s: float, source: str | None = None) -> socket.socket:
+    """Connect to the engine and answer its challenge (a rank's side); OSError when it cannot.
+    ``source``: this host's cluster address, the connection's (else routing picks one)."""
+    sock = socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic()),
+                                    source_address=(source, 0) if source else None)
     sock.settimeout(None)
     try:
         frames = _read_one(sock, deadline)

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dial", help="ADDR:PORT: a rank on another host dials its engine there (remote.py)")
     ap.add_argument("--dial-timeout-s", type=float, default=60.0)
     ap.add_argument("--dead-after-s", type=float, default=6.0)
+    ap.add_argument("--source-addr", help="with --dial: this host's cluster address, the connection's source")
     args = ap.parse_args(argv)
     die_with_parent()
     log = setup_child_logging(f"worker[{args.model}:{args.rank}]")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         addr, _, port = args.dial.rpartition(":")
         try:
             engine = dial_engine(addr, int(port), signer, args.rank, time.monotonic() + args.dial_timeout_s,
-                                 args.dead_after_s)
+                                 args.dead_after_s, args.source_addr)
         except OSError as exc:
             log.error("cannot reach the engine at %s: %s", args.dial, exc)
             return 1

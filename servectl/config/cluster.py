@@ -76,7 +76,7 @@ def check(cfg: Config, where: str) -> None:
                                   "replica (replicas = 1)")
             if int(m.engine_args.get("pipeline_parallel_size", 1) or 1) > 1:
                 raise ConfigError(f"config error{where}: models.{m.name}.engine_args.pipeline_parallel_size: "
-                                  "servectl's executor runs tensor parallelism only (docs/cluster.md)")
+                                  "servectl runs tensor parallelism only (docs/cluster.md, \"Limits\")")
     if any(len(m.hosts) > 1 for m in spread) and not c.secret_file:
         raise ConfigError(f"config error{where}: cluster.secret_file: a model spread over hosts needs the "
                           "cluster's shared secret (a file readable by its owner only)")
