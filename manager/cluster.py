@@ -33,6 +33,11 @@ log = logging.getLogger("manager")
 # A group in one of these states may be waiting for a host (its start said so): it starts when
 # the last one joins. A failed or released group does not.
 WAITING = frozenset({ModelState.STOPPED, ModelState.BACKOFF})
+# How long after the head starts a group waiting for a host keeps the daemon from being settled
+# (`servectl start` waiting, systemd's READY=1 held): long enough for members already up to
+# dial in (their redial backs off to 5 s); a host still missing then does not hold the head's
+# start (nor make systemd fail it): the model waits, said in its reason and /ready.
+JOIN_GRACE_S = 12.0
 
 
 @dataclass
@@ -84,6 +89,7 @@ class HeadHost(Protocol):
     def on_cluster_change(self, host: str, joined: bool, detail: str) -> None: ...
     def audit_cluster(self, addr: str, what: str, outcome: str, detail: str) -> None: ...
     def on_remote_rank(self, group: str) -> None: ...
+    def check_settled(self) -> None: ...
 
 
 def interface_of(addr: str) -> str | None:
@@ -121,6 +127,7 @@ class ClusterHead:
     def __init__(self, cluster: C.ClusterConfig, me: str, host: HeadHost):
         self.host = host
         self.me = me
+        self.grace_over = False  # JOIN_GRACE_S passed since the head started listening
         self.links: dict[str, Link] = {}
         self.ranks: dict[str, dict[int, RemoteRank]] = {}  # group -> rank -> what its host said
         self.configure(cluster)
@@ -136,6 +143,9 @@ class ClusterHead:
         """Accept the other hosts' managers until cancelled."""
         server = await asyncio.start_server(self._on_connect, self.addr, self.cluster.port)
         log.info("cluster: listening for the other hosts on %s:%d", self.addr, self.cluster.port)
+        if not self.grace_over:
+            # event-proof: one shot, once per manager: the end of the join grace at start.
+            asyncio.get_running_loop().call_later(JOIN_GRACE_S, self._grace_ends)
         async with server:
             await server.serve_forever()
 
@@ -197,6 +207,14 @@ class ClusterHead:
         if msg.state in (ChildState.EXITED, ChildState.FAILED):
             group.on_remote_lost(msg.incarnation, f"{worker_component(msg.group, msg.rank)} on {host} "
                                                   f"{msg.last_exit or 'exited'}")
+
+    def _grace_ends(self) -> None:
+        self.grace_over = True
+        self.host.check_settled()
+
+    def settled_waiting(self, group: Spread) -> bool:
+        """The group waits for a host past the join grace: settled as far as the daemon's start goes."""
+        return self.grace_over and group.state in WAITING and self.waits(group) is not None
 
     # ---- what a group asks -----------------------------------------------------------
     def missing(self, group: Spread) -> list[str]:

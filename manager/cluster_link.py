@@ -18,7 +18,6 @@ import hmac
 import ipaddress
 import os
 import secrets
-import socket
 import stat
 from typing import Union
 

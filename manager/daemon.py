@@ -202,8 +202,9 @@ class Manager:
             pass
 
     def settled(self) -> bool:
-        return all(g.state in (GroupState.READY, GroupState.FAILED, *IDLE_RELEASED) for g in self.groups.values()) \
-            and self.gateways.settled()
+        return all(g.state in (GroupState.READY, GroupState.FAILED, *IDLE_RELEASED)
+                   or (g.spread and self.cluster is not None and self.cluster.settled_waiting(g))
+                   for g in self.groups.values()) and self.gateways.settled()
 
     def check_settled(self) -> None:
         if self.shutting_down or not self.settled():

@@ -222,6 +222,29 @@ class Daemon:
         return left
 
 
+class NamespaceDaemon(Daemon):
+    """A daemon started inside a network namespace (tests/netns.py's hosts: ``topo.host_ns[index]``);
+    the CLI's other verbs reach it over its runtime directory's Unix sockets from anywhere."""
+
+    def __init__(self, tmp: Path, topo, index: int, config: str, **kw):
+        self.topo, self.ns, self.ip = topo, topo.host_ns[index], topo.host_ip[index]
+        super().__init__(tmp, config=config, **kw)
+
+    def start(self, expect_ok: bool = True) -> subprocess.CompletedProcess:
+        argv = [*SERVECTL, "start", "--config", str(self.config_path), "--runtime-dir", str(self.runtime_dir)]
+        proc = subprocess.run(self.topo.command(self.ns, argv), capture_output=True, text=True, env=self.env,
+                              timeout=600, cwd=ROOT)
+        self.start_output = proc
+        self.attach()
+        if expect_ok and proc.returncode != 0:
+            raise AssertionError(f"servectl start in {self.ns} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
 class DaemonFactory:
     """Makes ``Daemon``s; ``close()`` stops every one and asserts that nothing of
     any of their trees is left (what is left is SIGKILLed first, by pid)."""

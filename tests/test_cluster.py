@@ -19,14 +19,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from conftest import DEFAULT_MODEL_DIR, ROOT, SERVECTL, Daemon, http, wait_for
+from conftest import DEFAULT_MODEL_DIR, EventStream, NamespaceDaemon, http, wait_for
 from netns import Topology, sh
 
 PORT = 8000
@@ -63,31 +62,8 @@ hosts = ["h1", "h2"]
 """
 
 
-class HostDaemon(Daemon):
-    """A daemon started inside a host's namespace (the CLI's other verbs reach it over its
-    runtime directory's Unix sockets from anywhere)."""
-
-    def __init__(self, tmp, topo: Topology, index: int, config: str, **kw):
-        self.topo, self.ns, self.ip = topo, topo.host_ns[index], topo.host_ip[index]
-        super().__init__(tmp, config=config, **kw)
-
-    def start(self, expect_ok: bool = True) -> subprocess.CompletedProcess:
-        argv = [*SERVECTL, "start", "--config", str(self.config_path), "--runtime-dir", str(self.runtime_dir)]
-        proc = subprocess.run(self.topo.command(self.ns, argv), capture_output=True, text=True, env=self.env,
-                              timeout=600, cwd=ROOT)
-        self.start_output = proc
-        self.attach()
-        if expect_ok and proc.returncode != 0:
-            raise AssertionError(f"servectl start in {self.ns} failed ({proc.returncode}):\n{proc.stderr}")
-        return proc
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.ip}:{self.port}"
-
-
 class Cluster:
-    def __init__(self, topo: Topology, head: HostDaemon, member: HostDaemon, secret):
+    def __init__(self, topo: Topology, head: NamespaceDaemon, member: NamespaceDaemon, secret):
         self.topo, self.head, self.member, self.secret = topo, head, member, secret
 
     def model(self):
@@ -123,16 +99,23 @@ def cluster(tmp_path_factory):
     secret = tmp_path_factory.mktemp("secret") / "cluster.key"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
-    daemons: list[HostDaemon] = []
+    daemons: list[NamespaceDaemon] = []
     try:
         config = cluster_config(topo.host_ip, secret)
-        head = HostDaemon(tmp_path_factory.mktemp("head"), topo, 0, config)
-        member = HostDaemon(tmp_path_factory.mktemp("member"), topo, 1, config)
+        head = NamespaceDaemon(tmp_path_factory.mktemp("head"), topo, 0, config)
+        member = NamespaceDaemon(tmp_path_factory.mktemp("member"), topo, 1, config)
         daemons += [head, member]  # the head stops first: its group does not restart for a leaving member
-        member.start()  # it serves no model of its own: ready at once, dialing the head until it answers
-        head.start()  # ready once rank 1 on host 2 joined its group
+        # The head first: its start does not wait for ever for a host that is not up (systemd
+        # would fail it); past the join grace it returns, exit 1, saying what the model waits for.
+        proc = head.start(expect_ok=False)
+        assert proc.returncode == 1 and "waiting for host h2 to join" in proc.stderr, proc.stderr
         c = Cluster(topo, head, member, secret)
-        assert c.ready(), head.log_tails("manager", f"engine_core:{MODEL}")
+        with topo.inside():
+            r = http(head.base_url, "GET", f"/ready?model={MODEL}", key=None)
+        assert r.status == 503 and r.json()["models"][MODEL]["ready"] is False, r.text
+        member.start()  # it serves no model of its own: ready at once; it dials the head, which starts the group
+        wait_for(c.ready, 180, what="the group ready once host 2 joined",
+                 diagnose=lambda: head.log_tails("manager", f"engine_core:{MODEL}"))
         yield c
     finally:
         problems = []
@@ -298,20 +281,28 @@ def test_host_2s_manager_killed_then_back_loses_no_request(cluster):
 
 
 def test_the_link_cut_for_10s_is_noticed_and_the_group_returns_with_it(cluster):
+    """Noticed within dead_after_s (3 s here; TCP keepalive, no timer of ours), said in events
+    that name the host; the group back once the link is."""
     veth = f"{cluster.topo.prefix}v2"
     router = cluster.topo.router_ns
-    cut = time.monotonic()
-    sh("ip", "-n", router, "link", "set", veth, "down")
-    try:
-        wait_for(lambda: not cluster.ready(), 20, interval=0.2, what="the head to notice the cut link")
-        noticed = time.monotonic() - cut
-        time.sleep(max(0.0, 10 - (time.monotonic() - cut)))  # the cut lasts 10 s
-    finally:
-        sh("ip", "-n", router, "link", "set", veth, "up")
-    assert noticed < 15, noticed
-    wait_for(cluster.ready, 180, what="the group back with the link",
-             diagnose=lambda: cluster.head.log_tails("manager"))
-    assert cluster.complete(PROMPTS[0])
+    with EventStream(cluster.head, MODEL) as events:
+        cut = time.monotonic()
+        sh("ip", "-n", router, "link", "set", veth, "down")
+        try:
+            wait_for(lambda: not cluster.ready(), 20, interval=0.2, what="the head to notice the cut link")
+            noticed = time.monotonic() - cut
+            time.sleep(max(0.0, 10 - (time.monotonic() - cut)))  # the cut lasts 10 s
+        finally:
+            sh("ip", "-n", router, "link", "set", veth, "up")
+        assert noticed < 15, noticed
+        wait_for(cluster.ready, 180, what="the group back with the link",
+                 diagnose=lambda: cluster.head.log_tails("manager"))
+        seen = events.until(lambda seen: any(e.component == "host:h2" and e.state == "ready" for e in seen), 30,
+                            what="host h2's return")
+    left = [e for e in seen if e.component == "host:h2" and e.state == "exited"]
+    assert left and left[0].host == "h2" and "h2" in left[0].detail, seen
+    assert any(e.component == f"model:{MODEL}" and "h2" in e.detail for e in seen), seen  # why the model stopped
+    assert cluster.complete(PROMPTS[0], LOAD_TOKENS, ignore_eos=True) == cluster.unfaulted()[PROMPTS[0]]
 
 
 def test_a_peer_with_a_wrong_secret_is_refused_and_audited(cluster):
@@ -329,6 +320,31 @@ def test_a_peer_with_a_wrong_secret_is_refused_and_audited(cluster):
     line = [json.loads(x) for x in denied.read_text().splitlines() if "cluster" in x][-1]
     assert line["via"] == "cluster" and line["outcome"] == "denied" and line["address"] == cluster.topo.host_ip[1]
     assert cluster.ready()  # the real member's link is untouched
+
+
+def test_the_secret_rotates_by_reload(cluster):
+    """A new secret on both hosts and `servectl reload` on each: the link up stays (its session
+    key was made with the old one); the old secret opens nothing; host 2's manager, started
+    again, joins with the new one."""
+    from manager.cluster_link import Refusal, dial
+
+    old = cluster.secret.read_bytes()
+    cluster.secret.write_text(os.urandom(32).hex())
+    for d in (cluster.head, cluster.member):
+        d.cli("reload", check=True)
+    assert cluster.ready()
+
+    async def join_with(secret: bytes):
+        return await dial(cluster.topo.host_ip[0], CLUSTER_PORT, secret, "h2", dead_after_s=3)
+
+    with cluster.topo.inside(cluster.topo.host_ns[1]):
+        with pytest.raises(Refusal):
+            asyncio.run(join_with(old.strip()))
+    os.kill(cluster.member.manager_pid, signal.SIGKILL)
+    wait_for(lambda: not cluster.ready(), 30, interval=0.2, what="the head to lose host 2")
+    cluster.member.start()
+    wait_for(cluster.ready, 180, what="host 2 back with the new secret",
+             diagnose=lambda: cluster.head.log_tails("manager"))
 
 
 def test_the_heads_manager_killed_leaves_nothing_of_the_group(cluster):

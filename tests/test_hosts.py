@@ -16,14 +16,13 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import DEFAULT_MODEL_DIR, ROOT, SERVECTL, Daemon, http, wait_for
+from conftest import DEFAULT_MODEL_DIR, NamespaceDaemon, http, wait_for
 from netns import Load, Router, Topology, stream
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -58,27 +57,9 @@ env = {{ SERVECTL_ENGINE_FACTORY = "crash_engine:build", PYTHONPATH = "{TESTS}" 
     return config
 
 
-class HostDaemon(Daemon):
-    """A daemon started inside a host's namespace; the CLI's other verbs reach it over its
-    runtime directory's Unix sockets from anywhere."""
-
+class HostDaemon(NamespaceDaemon):
     def __init__(self, tmp, topo: Topology, index: int, **kw):
-        self.topo, self.ns, self.ip = topo, topo.host_ns[index], topo.host_ip[index]
-        super().__init__(tmp, config=host_config(self.ip, broken=index == 0), **kw)
-
-    def start(self, expect_ok: bool = True) -> subprocess.CompletedProcess:
-        argv = [*SERVECTL, "start", "--config", str(self.config_path), "--runtime-dir", str(self.runtime_dir)]
-        proc = subprocess.run(self.topo.command(self.ns, argv), capture_output=True, text=True, env=self.env,
-                              timeout=600, cwd=ROOT)
-        self.start_output = proc
-        self.attach()
-        if expect_ok and proc.returncode != 0:
-            raise AssertionError(f"servectl start in {self.ns} failed ({proc.returncode}):\n{proc.stderr}")
-        return proc
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.ip}:{self.port}"
+        super().__init__(tmp, topo, index, host_config(topo.host_ip[index], broken=index == 0), **kw)
 
 
 class Hosts:
