@@ -157,6 +157,12 @@ class ClusterMember:
                              "--dial-timeout-s", str(msg.worker_reply_timeout_s),
                              "--dead-after-s", str(self.cluster.dead_after_s),
                              "--source-addr", self.cluster.hosts[self.me]], env, (fd,))
+            except OSError as exc:  # e.g. out of processes: the head hears it and restarts the group later
+                del self.ranks[(msg.group, spec.rank)]
+                log.error("cluster: cannot start %s for %s: %s", component, head, exc)
+                await self._report(head, W.RankState(group=msg.group, incarnation=msg.incarnation, rank=spec.rank,
+                                                     pid=None, state=ChildState.FAILED, last_exit=str(exc)))
+                continue
             finally:
                 os.close(fd)
             self.host.watch(child)
