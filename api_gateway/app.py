@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     die_with_parent()
     spec = read_spec_fd(args.spec_fd, GatewaySpec)
-    setup_child_logging(f"gateway[{spec.index}]")
+    setup_child_logging(f"gateway[{spec.index}]", gateway_component(spec.index))
     import uvloop
 
     return uvloop.run(Gateway(spec).run(args.listen_fd))

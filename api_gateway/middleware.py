@@ -102,10 +102,15 @@ class Middleware:
     def access(self, request: web.Request, status: int, started: float, rid: str) -> None:
         """The access log line (every client-given field escaped) and the request counter."""
         info = request["log"]
+        ms = (time.monotonic() - started) * 1000
+        # The JSON log (servectl/logjson.py) shows the same as fields (a text log ignores them).
+        fields = {"method": request.method, "path": request.path, "status": status, "model": info.get("model"),
+                  "prompt_tokens": info.get("prompt_tokens"), "completion_tokens": info.get("completion_tokens"),
+                  "duration_ms": round(ms, 1)}
         access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
                         escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
-                        info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"),
-                        (time.monotonic() - started) * 1000, rid)
+                        info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"), ms, rid,
+                        extra={"request_id": rid, "fields": fields})
         self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
                                      status=str(status)).inc()
 

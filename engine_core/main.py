@@ -39,7 +39,8 @@ from servectl.messages import one_line
 from servectl.paths import RuntimePaths, bind_private
 from servectl.proc import die_with_parent, setup_child_logging
 from servectl.wire import control as MP
-from servectl.wire.spawn import EngineSpec, engine_identity, engine_max_message_bytes, read_spec_fd
+from servectl.wire.spawn import (EngineSpec, engine_component, engine_identity, engine_max_message_bytes, model_of,
+                                  read_spec_fd)
 from servectl.wire.vocab import ExitCode
 
 log = logging.getLogger("engine_core")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_engine_args(json.loads(args.engine_args or "{}"), json.loads(args.chat or "{}"))
     spec = read_spec_fd(args.spec_fd, EngineSpec)
     die_with_parent()
-    setup_child_logging(f"engine_core[{spec.group_name}]")
+    setup_child_logging(f"engine_core[{spec.group_name}]", engine_component(spec.group_name), model_of(spec.group_name))
     key = read_key(args.key_fd)
     pidfds = [int(x) for x in args.worker_pidfds.split(",") if x]
     paths = RuntimePaths(Path(spec.runtime_dir))

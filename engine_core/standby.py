@@ -22,7 +22,7 @@ import sys
 
 import msgspec
 
-from servectl.wire.spawn import Role, resolve_fd_args
+from servectl.wire.spawn import Role, model_of, parse_component, resolve_fd_args
 from servectl.proc import die_with_parent, setup_child_logging
 
 MAX_ROLE_BYTES = 1 << 20
@@ -59,9 +59,14 @@ def wait_for_role(channel: socket.socket) -> tuple[Role, list[int]] | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_core.standby")
     ap.add_argument("--channel-fd", type=int, required=True)
+    ap.add_argument("--component", default="standby", help="its name in status (standby:<member>), for its log")
     args = ap.parse_args(argv)
     die_with_parent()
-    log = setup_child_logging("standby")
+    # The format (text or JSON) is in the member's environment it was exec'd with; the role's
+    # main sets logging up again under the role's own name (setup_child_logging's force).
+    parsed = parse_component(args.component)
+    log = setup_child_logging("standby", args.component,
+                              model_of(parsed.model) if parsed is not None and parsed.model else None)
     channel = socket.socket(fileno=args.channel_fd)
     try:
         preload()

@@ -123,6 +123,7 @@ class Child:
         finally:
             os.close(w)
         os.set_blocking(r, False)
+        self.sink.pid = self.popen.pid
         self._started(r, os.pidfd_open(self.popen.pid))
 
     def adopt(self, standby: "Child") -> None:
@@ -130,6 +131,7 @@ class Child:
         popen, pidfd, output_fd = standby.popen, standby.pidfd, standby.output_fd
         standby.popen, standby.pidfd, standby.output_fd = None, None, None
         self.popen = popen
+        self.sink.pid = popen.pid if popen is not None else None
         self._started(output_fd, pidfd)
 
     def _started(self, output_fd: int | None, pidfd: int) -> None:
@@ -214,8 +216,9 @@ class Standby(Child):
     def spawn_standby(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.spawn([sys.executable, "-m", "engine_core.standby", "--channel-fd", str(theirs.fileno())], env,
-                       (theirs.fileno(),))
+            # --component: the name its JSON log lines carry until it has a role (servectl/logjson.py).
+            self.spawn([sys.executable, "-m", "engine_core.standby", "--channel-fd", str(theirs.fileno()),
+                        "--component", self.component], env, (theirs.fileno(),))
         except BaseException:
             ours.close()
             raise

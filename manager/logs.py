@@ -5,6 +5,12 @@ pipe, no polling), keeps the last lines in memory for `servectl status`, and
 writes them either to ``<state>/logs/<component>.log`` (size-capped: rotated
 to ``.log.1`` past the cap) or, under systemd (``$JOURNAL_STREAM`` set), to
 its own stderr prefixed with the component, where journald timestamps them.
+
+With JSON logs (``[manager] log_format = "json"``) a line that is not a JSON object (a child's
+output outside logging: a progress bar, a library's print) is wrapped into one
+(servectl/logjson.py ``wrap_line``), so every line of a file is an object. Under systemd a line
+goes to the journal as the text ones do, prefixed, the object whole in its MESSAGE (`journalctl -o cat
+| grep -o '{.*' | jq` reads it): the journal's own fields are not set (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from servectl.logjson import is_json_line, json_logs, wrap_line
 from servectl.paths import open_append
+from servectl.wire.spawn import model_of, parse_component
 
 ROTATE_BYTES = 16 * 1024 * 1024
 log = logging.getLogger("manager.logs")
@@ -26,8 +34,13 @@ def journal_mode() -> bool:
 
 
 class LogSink:
-    def __init__(self, component: str, path: Path, rotate_bytes: int = ROTATE_BYTES, journal: bool = False):
+    def __init__(self, component: str, path: Path, rotate_bytes: int = ROTATE_BYTES, journal: bool = False,
+                 json_lines: bool | None = None):
         self.component = component
+        self.json_lines = json_logs() if json_lines is None else json_lines
+        parsed = parse_component(component)
+        self.model = model_of(parsed.model) if parsed is not None and parsed.model else None  # for lines it wraps
+        self.pid: int | None = None  # the child's, once spawned (for the lines it wraps)
         self.path = path
         self.rotate_bytes = rotate_bytes
         self.journal = journal
@@ -51,6 +64,11 @@ class LogSink:
         if not complete:
             return
         text = [line.decode("utf-8", "replace") for line in complete]
+        if self.json_lines:
+            wrapped = [line if is_json_line(line) else wrap_line(line, self.component, self.model, self.pid)
+                       for line in text]
+            if wrapped != text:
+                text, complete = wrapped, [line.encode() for line in wrapped]
         self.lines.extend(text)
         self.written += len(text)
         if self.journal:

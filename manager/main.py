@@ -14,7 +14,8 @@ import msgspec
 from manager.daemon import Manager, StartupError
 from servectl.paths import (AlreadyRunning, RuntimePaths, UntrustedDirectory, is_shared, lock_pidfile, remove_stale,
                             resolve_runtime_dir, secure_dir)
-from servectl.proc import INSTANCE_ENV, become_subreaper, die_with_parent
+from servectl.logjson import LOG_FORMAT_ENV
+from servectl.proc import INSTANCE_ENV, become_subreaper, die_with_parent, setup_child_logging
 from servectl.wire import control as P
 from servectl.wire.spawn import ManagerSpec, read_spec_fd
 
@@ -55,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-fd", type=int, default=None,
                     help="a pipe to whoever started us: a startup failure is written there (one JSON line)")
     args = ap.parse_args(argv)
-    from servectl.proc import setup_child_logging
-
     log = setup_child_logging("manager")
     try:
         return run_manager(args)
@@ -75,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_manager(args: argparse.Namespace) -> int:
     spec = read_spec_fd(args.spec_fd, ManagerSpec)
     cfg = spec.config
+    # The log format, for us and (in the environment every child inherits: process_env) the
+    # whole tree; set even when "text", so a format in the caller's environment does not leak in.
+    os.environ[LOG_FORMAT_ENV] = cfg.manager.log_format
+    setup_child_logging("manager")
     if args.die_with_parent:
         die_with_parent()
     root = resolve_runtime_dir(cfg.manager.runtime_dir)

@@ -119,6 +119,8 @@ class Reloader:
             notify("READY=1\nSTATUS=reload refused: a name is a LoRA adapter's")
             return False, clash
         log.info("reload: %s", plan.summary())
+        if plan.manager.log_format != h.settings.log_format:  # the tree's environment, set at start
+            log.warning("manager.log_format = %r takes effect at the next start", plan.manager.log_format)
         h.settings = plan.manager
         h.budget.cap = plan.manager.max_loaded_models
         if plan.manager.memory_budget and not h.budget.totals:

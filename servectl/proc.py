@@ -44,11 +44,28 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def setup_child_logging(name: str) -> logging.Logger:
+def setup_child_logging(name: str, component: str | None = None, model: str | None = None) -> logging.Logger:
+    """The process's logging: text (``name`` starts each line) or, where the manager set
+    ``[manager] log_format = "json"`` in the tree's environment, one JSON object per line
+    (servectl/logjson.py) naming ``component`` (spawn.py's name, default ``name``) and ``model``.
+    Called again by a warm standby once it has a role (``force``: the role's name replaces it)."""
+    from servectl import logjson
+
+    level = os.environ.get("SERVECTL_LOG_LEVEL", "INFO")
+    if logjson.json_logs():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logjson.JsonFormatter(component or name, model))
+        logging.basicConfig(level=level, handlers=[handler], force=True)
+        logjson.route_vllm_logs()
+        logging.captureWarnings(True)  # warnings.warn as records, not loose lines
+        # An uncaught exception as one record with its traceback, not a line per frame.
+        sys.excepthook = lambda kind, exc, tb: logging.getLogger(name).critical(
+            "uncaught exception", exc_info=(kind, exc, tb))
+        return logging.getLogger(name)
     # Under systemd the journal timestamps every line: no second timestamp.
     stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
-        level=os.environ.get("SERVECTL_LOG_LEVEL", "INFO"),
+        level=level,
         format=f"{stamp}{name} %(levelname)s %(message)s",
         stream=sys.stderr,
         force=True,  # a warm standby configured logging before it knew its role

@@ -43,6 +43,7 @@ from engine_core.workers.spin import WORKER_SPIN_ENV, spin_seconds
 from engine_core.workers.tokens_reply import TokensReplyCodec
 from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
+from servectl.wire.spawn import model_of, worker_component
 from servectl.wire.worker import EXECUTE_AND_SAMPLE, STATS_METHOD
 
 TOKENS_REPLY_ENV = "SERVECTL_TOKENS_REPLY"  # "0": every reply a signed pickle (an A/B of the encoding)
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source-addr", help="with --dial: this host's cluster address, the connection's source")
     args = ap.parse_args(argv)
     die_with_parent()
-    log = setup_child_logging(f"worker[{args.model}:{args.rank}]")
+    log = setup_child_logging(f"worker[{args.model}:{args.rank}]", worker_component(args.model, args.rank),
+                              model_of(args.model))
     signer = Signer(read_key(args.key_fd))
     if args.dial:
         addr, _, port = args.dial.rpartition(":")

@@ -136,6 +136,10 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Directories an HTTP caller (an admin key, /v1/load_lora_adapter) may load LoRA adapters from
     # at run time; none by default. `servectl lora load` (the daemon's owner) may name any path.
     lora_roots: list[str] = []
+    # Every process's log lines: "text", or "json" (one object per line: time, level, component,
+    # model, logger, message, request_id, pid; servectl/logjson.py). Read at start: a reload keeps
+    # the running tree's (a log file with two formats in it would be read by neither's tools).
+    log_format: Literal["text", "json"] = "text"
 
 
 # A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules
