@@ -25,7 +25,7 @@ from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
 from servectl.wire import control as MP
 from servectl.wire import status as WS
-from servectl.wire.spawn import model_of
+from servectl.wire.spawn import model_component, model_of
 from servectl.wire.vocab import EventKind, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway.manager_link")
@@ -138,9 +138,12 @@ class ManagerLink:
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
                     if isinstance(reply, MP.StatusReply):
+                        # A gateway started after them (a restart) learns every state and count here.
                         for c in reply.children:
+                            self.metrics.child_state(c.component, c.state)
                             self.metrics.child_restarts.labels(component=c.component).set(c.restarts)
                         for m in reply.models:
+                            self.metrics.child_state(model_component(m.name), m.state)
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s,
                                                 m.start_s, m.config_id, m.loras, m.unfit)
                             if m.step_deadline_s is not None:

@@ -64,11 +64,13 @@ class Metrics:
         self.evictions = Counter("servectl_model_evictions", "Models released to make room for another under the "
                                  "memory budget", ["model"], **reg)
         # Each process's restarts as the manager counts them (a gateway's own included: the manager's
-        # count outlives the gateway); the largest any gateway saw.
+        # count outlives the gateway, and a new gateway reads it in the manager's snapshot).
         self.child_restarts = Gauge("servectl_child_restarts", "Restarts of each supervised process",
-                                    ["component"], multiprocess_mode="max", **reg)
+                                    ["component"], multiprocess_mode="livemax", **reg)
+        # Live gateways' only (the manager marks an exited one dead): a dead one's last view would
+        # stay at 1 beside the states its successor learns.
         self.child_states = Gauge("servectl_child_state", "1 for the state each supervised process is in",
-                                  ["component", "state"], multiprocess_mode="max", **reg)
+                                  ["component", "state"], multiprocess_mode="livemax", **reg)
         self._last_state: dict[str, str] = {}
 
     def child_state(self, component: str, state: str) -> None:

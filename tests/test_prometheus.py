@@ -7,8 +7,9 @@ the gateway's counters behind the rules count what the manager's events say.
 End-to-end: Debian's `prometheus` (its own port, a temporary TSDB, 1 s scrapes and rule
 evaluations, the shipped rules) scrapes a real daemon of this module; `promtool check rules`
 passes, every dashboard query returns data after a little traffic, every rule evaluates without
-error over metric names the daemon exports, and the hung-step, crash-loop and failed alerts fire
-after the worker is stopped once and then SIGKILLed until the model fails. Needs root for Debian's package (CI runs as root; there a skip,
+error over metric names the daemon exports, and the gateway-restart, hung-step, crash-loop and
+failed alerts fire after the gateway is killed once, the worker stopped once and then SIGKILLed
+until the model fails. Needs root for Debian's package (CI runs as root; there a skip,
 or a missing prometheus, is a failure).
 """
 
@@ -278,9 +279,10 @@ def test_every_dashboard_query_returns_data_and_every_rule_evaluates(prom_daemon
 
 
 @needs_root
-def test_hang_and_crash_loop_alerts_fire_when_the_worker_keeps_failing(prom_daemon, prometheus):
-    """The worker hangs once (SIGSTOP: the engine's step deadline finds it), then is SIGKILLed
-    until the model fails: the hung-step, crash-loop and failed alerts fire."""
+def test_restart_hang_and_crash_loop_alerts_fire(prom_daemon, prometheus):
+    """The gateway is SIGKILLed once, the worker hangs once (SIGSTOP: the engine's step deadline
+    finds it), then is SIGKILLed until the model fails: the gateway-restart, hung-step,
+    crash-loop and failed alerts fire, no-ready-replica is pending."""
     d = prom_daemon
     component = f"worker:{MODEL}:0"
     request = {"model": MODEL, "prompt": "def ", "max_tokens": 12, "ignore_eos": True}
@@ -296,9 +298,23 @@ def test_hang_and_crash_loop_alerts_fire_when_the_worker_keeps_failing(prom_daem
         wait_for(lambda: model_state() == "ready", 180, what=f"{MODEL} ready",
                  diagnose=lambda: d.log_tails("manager", f"engine_core:{MODEL}"))
 
+    def scraped(expr: str) -> None:
+        wait_for(lambda: prometheus.query(expr), 60, interval=0.5, what=f"prometheus to scrape {expr}",
+                 diagnose=prometheus.log)
+
+    # Prometheus has the counts before anything happens (an increase needs where it started).
+    ready()
+    scraped('servectl_child_restarts{component="gateway:0"} == 0')
+    scraped(f'servectl_engine_hangs_total{{model="{MODEL}"}} == 0')
+    # The gateway first: its successor (same port) reads the states and restart counts from the
+    # manager's snapshot, and its predecessor's view of them leaves /metrics.
+    gateway = d.child("gateway:0").pid
+    os.kill(gateway, signal.SIGKILL)
+    wait_for(lambda: d.child("gateway:0").pid not in (None, gateway) and d.child("gateway:0").state == "ready", 60,
+             what="gateway:0 back", diagnose=lambda: d.log_tails("manager", "gateway:0"))
+    scraped('servectl_child_restarts{component="gateway:0"} == 1')
     # Warm (the step deadline is then the short floor, not the first steps' long timeout), then
     # the same request with the worker stopped: a hung step, and the group's first exit.
-    ready()
     for _ in range(3):
         assert http(d, "POST", "/v1/completions", request).status == 200
     wait_for(lambda: next(m for m in d.status().models if m.name == MODEL).step_deadline_s is not None, 30,
@@ -316,10 +332,12 @@ def test_hang_and_crash_loop_alerts_fire_when_the_worker_keeps_failing(prom_daem
             worker_back(pid)
     wait_for(lambda: model_state() == "failed", 60, what=f"{MODEL} failed (the crash loop)",
              diagnose=lambda: d.log_tails("manager"))
-    alerts = {("ServectlEngineHung", MODEL), ("ServectlModelCrashLooping", MODEL), ("ServectlModelFailed", MODEL)}
+    alerts = {("ServectlEngineHung", MODEL), ("ServectlModelCrashLooping", MODEL), ("ServectlModelFailed", MODEL),
+              ("ServectlGatewayRestarting", "")}
     wait_for(lambda: alerts <= prometheus.firing(), 180, interval=1, what=f"{alerts} firing",
              diagnose=lambda: json.dumps(prometheus.api("alerts"), indent=1) + "\n" + prometheus.log())
-    # No replica serves it any more: pending (its `for` is 10 minutes, longer than a load).
+    # No replica serves it any more: pending (its `for` is 10 minutes, longer than a load). Only
+    # the live gateway's view counts: the dead one's "ready" would hide this.
     assert ("ServectlNoReadyReplica", MODEL) in prometheus.firing(("pending", "firing")), prometheus.api("alerts")
     for name, count in (("servectl_engine_restarts_total", CRASH_LOOP_COUNT), ("servectl_engine_hangs_total", 1)):
         series = prometheus.query(f'{name}{{model="{MODEL}"}}')
