@@ -25,7 +25,7 @@ from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
 from servectl.wire import control as MP
 from servectl.wire import status as WS
-from servectl.wire.spawn import model_of
+from servectl.wire.spawn import model_component, model_of
 from servectl.wire.vocab import EventKind, ExitCode, ModelState
 
 log = logging.getLogger("api_gateway.manager_link")
@@ -80,6 +80,7 @@ class ManagerLink:
                           task_died=lambda name, exc: self.on_task_died(name, exc))
         link.send_timeout_s = self.send_timeout_s
         self.links[group] = link
+        self.metrics.model_known(group)
         model = model_of(group)
         served = self.models.get(model)
         if served is None:
@@ -126,15 +127,23 @@ class ManagerLink:
                             self.on_deadline(ev.model, ev.step_deadline_s, ev.incarnation)
                         continue
                     self.metrics.child_state(ev.component, ev.state)
-                    if ev.kind is EventKind.MODEL and ev.state == ModelState.EXITED and self.count_restarts:
-                        self.metrics.engine_restarts.labels(model=ev.model).inc()
+                    if ev.kind is EventKind.MODEL:
+                        if self.count_restarts:
+                            self.metrics.model_event(ev.model, ev.state, ev.detail, ev.hung)
+                    elif ev.kind is not EventKind.HOST:
+                        self.metrics.child_restarts.labels(component=ev.component).set(ev.restarts)
                 else:
                     try:
                         reply = MP.control_out_decoder.decode(body)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue
                     if isinstance(reply, MP.StatusReply):
+                        # A gateway started after them (a restart) learns every state and count here.
+                        for c in reply.children:
+                            self.metrics.child_state(c.component, c.state)
+                            self.metrics.child_restarts.labels(component=c.component).set(c.restarts)
                         for m in reply.models:
+                            self.metrics.child_state(model_component(m.name), m.state)
                             self.on_model_event(m.name, m.state, m.incarnation, m.reason, m.hold_timeout_s,
                                                 m.start_s, m.config_id, m.loras, m.unfit)
                             if m.step_deadline_s is not None:

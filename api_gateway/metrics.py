@@ -11,8 +11,11 @@ import os
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from servectl.wire.vocab import EventKind, ExitCode, ModelState
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ENGINE_HUNG_EXIT = f" exit code {int(ExitCode.HUNG)}"  # manager/children.py's describe_exit
 
 
 class Metrics:
@@ -55,8 +58,19 @@ class Metrics:
                                    "published; hangs are found in this long)", ["model"],
                                    multiprocess_mode="livemostrecent", **reg)
         self.engine_restarts = Counter("servectl_engine_restarts", "Engine group restarts seen", ["model"], **reg)
+        # Alerts (docs/deploy/prometheus-rules.yaml) read these two: a hung step, evictions thrashing.
+        self.engine_hangs = Counter("servectl_engine_hangs", "Engine groups killed as hung (no output within the "
+                                    "step deadline)", ["model"], **reg)
+        self.evictions = Counter("servectl_model_evictions", "Models released to make room for another under the "
+                                 "memory budget", ["model"], **reg)
+        # Each process's restarts as the manager counts them (a gateway's own included: the manager's
+        # count outlives the gateway, and a new gateway reads it in the manager's snapshot).
+        self.child_restarts = Gauge("servectl_child_restarts", "Restarts of each supervised process",
+                                    ["component"], multiprocess_mode="livemax", **reg)
+        # Live gateways' only (the manager marks an exited one dead): a dead one's last view would
+        # stay at 1 beside the states its successor learns.
         self.child_states = Gauge("servectl_child_state", "1 for the state each supervised process is in",
-                                  ["component", "state"], multiprocess_mode="max", **reg)
+                                  ["component", "state"], multiprocess_mode="livemax", **reg)
         self._last_state: dict[str, str] = {}
 
     def child_state(self, component: str, state: str) -> None:
@@ -65,6 +79,23 @@ class Metrics:
             self.child_states.labels(component=component, state=old).set(0)
         self._last_state[component] = state
         self.child_states.labels(component=component, state=state).set(1)
+
+    def model_known(self, model: str) -> None:
+        """A model's counters at 0 from the start: Prometheus' increase() cannot see a first
+        increment of a series that did not exist before it."""
+        for counter in (self.engine_restarts, self.engine_hangs, self.evictions):
+            counter.labels(model=model)
+
+    def model_event(self, model: str, state: ModelState, detail: str, hung: bool) -> None:
+        """Count what a model's event says happened (one gateway counts: the sum is the count)."""
+        if state == ModelState.EXITED:
+            self.engine_restarts.labels(model=model).inc()
+            # Hung: killed on a gateway's GroupHung, or the engine found its workers hung (the
+            # step deadline) and exited HUNG; the manager's detail is "<member> <last exit>".
+            if hung or (detail.startswith(f"{EventKind.ENGINE}:") and detail.endswith(ENGINE_HUNG_EXIT)):
+                self.engine_hangs.labels(model=model).inc()
+        elif state == ModelState.RELEASING and detail.startswith("evicted"):  # manager/budget.py's reason
+            self.evictions.labels(model=model).inc()
 
     def collected(self) -> CollectorRegistry:
         """Our metrics: every gateway's (multiprocess), or this one's."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
+from prometheus_client import multiprocess
 
 from manager.children import Child, ChildState, RestartPolicy
 from servectl import config as C
@@ -170,6 +171,9 @@ class GatewayPool:
     def on_exit(self, gw: GatewayProcess) -> None:
         # Its in-flight requests would otherwise run on in the engines.
         self.host.abort_peer_everywhere(gw.peer)
+        if gw.child.popen is not None:
+            # Its gauges of what is now (states, queues) leave /metrics; its counters stay in the sums.
+            multiprocess.mark_process_dead(gw.child.popen.pid, str(self.host.metrics_dir))
         if self.host.shutting_down or gw.child.state is ChildState.STOPPING:
             gw.child.set(ChildState.STOPPED, gw.child.last_exit or "")
             return

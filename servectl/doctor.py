@@ -37,7 +37,8 @@ def installed(dist: str) -> bool:
 # chromium and its driver (the status page in a real browser: tests/test_ui_browser.py), espeak-ng
 # (speech made fresh for the speech model's tests: tests/test_media.py).
 TEST_COMMANDS = [("systemd-analyze", "systemd"), ("ip", "iproute2"), ("chromium", "chromium"),
-                 ("chromedriver", "chromium-driver"), ("espeak-ng", "espeak-ng")]
+                 ("chromedriver", "chromium-driver"), ("espeak-ng", "espeak-ng"),
+                 ("promtool", "prometheus"), ("prometheus", "prometheus")]
 
 
 def main(argv: list[str] | None = None) -> int:
