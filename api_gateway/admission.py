@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from api_gateway import tracing as T
 from api_gateway.errors import EngineRequestError, EngineUnavailable, HttpError, refused_by_engine, unavailable
 from api_gateway.generate import Generator
 from api_gateway.input_bounds import check_input
@@ -69,6 +70,17 @@ class Admission:
     # ---- admission --------------------------------------------------------------------------
     async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
                     chat: bool) -> web.StreamResponse:
+        with T.span("servectl.admission"):
+            link, run, seqs, base = self.admit(request, req, forward, prompts)
+        with self.admitted(link, seqs):
+            hold = functools.partial(self.hold, link, seqs, req.model, request.path)
+            if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
+                return await self.generator.respond(request, req, run, chat, base, hold)
+            await hold()
+            return await self.generator.respond(request, req, run, chat, base)
+
+    def admit(self, request: web.Request, req, forward: dict, prompts: list | None):
+        """The checks before a request is queued: its model, the caps; its engine requests built."""
         req.model = self.model_for(req.model)
         check_logit_bias(req.logit_bias)
         request["log"]["model"] = req.model
@@ -90,18 +102,17 @@ class Admission:
         gens = generate_messages(forward, prompts, self.new_request_id)
         # (a request the engine cannot take is a 400 here)
         run = self.generator.run(link, gens, n, prefix_key(forward))
-        with self.admitted(link, seqs):
-            hold = functools.partial(self.hold, link, seqs, req.model, request.path)
-            if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
-                return await self.generator.respond(request, req, run, chat, base, hold)
-            await hold()
-            return await self.generator.respond(request, req, run, chat, base)
+        return link, run, seqs, base
 
     async def hold(self, link: ServedModel, seqs: int, model: str, path: str) -> None:
         """Until the model's engine is ready to take the request (held while it loads), then
         whether the model does what the route asks; a 503 or a 400 (HttpError) otherwise."""
         try:
-            await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
+            if T.tracer is not None and not link.ready_links():  # a span only for a real wait
+                with T.hold(model, str(link.status)):
+                    await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
+            else:
+                await link.wait_ready(link.hold_s(self.cfg.hold_timeout_s), seqs)
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         check_kind(model, link.supported_tasks, path)

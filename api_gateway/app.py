@@ -26,6 +26,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from api_gateway import openai_types as H
+from api_gateway import tracing as T
 from api_gateway.admin import AdminRoutes
 from api_gateway.admission import Admission
 from api_gateway.bodies import read_body
@@ -220,6 +221,8 @@ class Gateway(Admission):
         app = web.Application(middlewares=[self.front.middleware], client_max_size=self.cfg.max_body_bytes)
         if self.cors.enabled:
             app.on_response_prepare.append(self.front.add_cors_headers)
+        elif T.tracer is not None:
+            app.on_response_prepare.append(self.front.on_prepare)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_handler)
@@ -287,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     spec = read_spec_fd(args.spec_fd, GatewaySpec)
     setup_child_logging(f"gateway[{spec.index}]", gateway_component(spec.index))
+    T.start(spec.index)  # before the app is built: it adds the traceresponse header when on
     import uvloop
 
     return uvloop.run(Gateway(spec).run(args.listen_fd))

@@ -84,6 +84,7 @@ class EngineLink(EngineRequests):
         self.manager_word: ModelState | None = None
         self.reason: str | None = None
         self.incarnation = ""  # set once the engine answered our Hello
+        self.start_span = ""  # its start span's traceparent (tracing on): what a resumed request links to
         self.connecting_to = ""  # the incarnation our socket was opened for
         self.max_model_len: int | None = None
         self.max_prompt_chars = 0  # the engine's HelloReply: its prompts' character cap (0: not told)
@@ -302,6 +303,7 @@ class EngineLink(EngineRequests):
         if msg.incarnation != incarnation:
             return  # hello of a different lifetime of the engine
         self.incarnation = msg.incarnation
+        self.start_span = msg.trace_parent
         self.max_model_len, self.max_num_seqs = msg.max_model_len, msg.max_num_seqs
         self.max_prompt_chars = msg.max_prompt_chars
         # Sorted: vLLM builds a pooling model's tasks from a set, whose order changes from start to start.

@@ -2,7 +2,8 @@
 
 ``Middleware``: the Host allowlist, the CORS preflight and headers, the API-key check (on
 ``/v1``, ``/v2`` and ``KEYED_PATHS``), an X-Request-Id for every answer, errors in the shape
-of the API asked (``error_response``) and the access log line with its request counter.
+of the API asked (``error_response``), the access log line with its request counter and, with
+tracing on, the request's server span (api_gateway/tracing.py) around all of it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from api_gateway import tracing as T
 from api_gateway.admin import LORA_PATHS
 from api_gateway.errors import HttpError, error_body, http_error_body
 from api_gateway.http_policy import CorsPolicy, HostPolicy
@@ -63,6 +65,9 @@ class Middleware:
             rid = secrets.token_hex(8)
         request["request_id"] = rid
         request["log"] = {}
+        span = None
+        if T.tracer is not None:
+            span = request["span"] = T.server_span(request)
         try:
             if not self.hosts.allows(request.headers.get("Host")):
                 raise HttpError(421, f"this server does not answer for host {request.headers['Host']!r} "
@@ -76,7 +81,11 @@ class Middleware:
                 if not self.keys().api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
                         and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
                     self.check_auth(request)
-                response = await handler(request)
+                if span is None:
+                    response = await handler(request)
+                else:
+                    with T.current(span):  # the handler's spans are its children
+                        response = await handler(request)
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler): whatever it ran is aborted.
             self.access(request, 499, started, rid)
@@ -107,6 +116,10 @@ class Middleware:
         fields = {"method": request.method, "path": request.path, "status": status, "model": info.get("model"),
                   "prompt_tokens": info.get("prompt_tokens"), "completion_tokens": info.get("completion_tokens"),
                   "duration_ms": round(ms, 1)}
+        span = request.get("span")
+        if span is not None:
+            fields.update(T.ids(span))
+            T.end_server_span(span, status, info)
         access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
                         escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
                         info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"), ms, rid,
@@ -128,8 +141,20 @@ class Middleware:
 
     async def add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """Every answer to an allowed origin says so (streams too: this runs as headers go out)."""
+        self.add_traceresponse(request, response)
         origin = request.headers.get("Origin")
         if self.cors.allows(origin):
             for name, value in self.cors.headers(origin).items():
                 response.headers.setdefault(name, value)
 
+
+    @staticmethod
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        """Without CORS: only the trace's header (``add_cors_headers`` adds it with CORS)."""
+        Middleware.add_traceresponse(request, response)
+
+    @staticmethod
+    def add_traceresponse(request: web.Request, response: web.StreamResponse) -> None:
+        span = request.get("span")
+        if span is not None:  # tracing on: the client learns its request's trace
+            response.headers["traceresponse"] = T.traceresponse(span)

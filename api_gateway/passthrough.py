@@ -29,6 +29,7 @@ import time
 
 from aiohttp import web
 
+from api_gateway import tracing as T
 from api_gateway.bodies import read_body
 from api_gateway.errors import HttpError, http_error_body
 from api_gateway.input_bounds import check_input, check_sequences, pooling_sequences
@@ -116,17 +117,20 @@ class ApiEndpoints:
         """Admit a request whose body is read and send it to its model's engine, whose serving
         code answers it (a stream, or a whole JSON body)."""
         g = self.gateway
-        model = g.model_for(model)
-        request["log"]["model"] = model
-        link = g.link_for(model)
-        if g.draining:
-            raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
-        # A pooling request's inputs are sequences, as a completion's prompts are (input_bounds.py).
-        seqs = pooling_sequences(forward) if request.path in POOLING_PATHS else 1
-        check_sequences(seqs, g.cfg.max_sequences_per_request, forward)
-        g.check_room(link, seqs)
-        gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward, answer_id=secrets.token_hex(8))
-        run = g.generator.run(link, [gen], 1, prefix_key(forward))
+        with T.span("servectl.admission"):
+            model = g.model_for(model)
+            request["log"]["model"] = model
+            link = g.link_for(model)
+            if g.draining:
+                raise HttpError(503, "the server is shutting down", "service_unavailable",
+                                headers={"Retry-After": "5"})
+            # A pooling request's inputs are sequences, as a completion's prompts are (input_bounds.py).
+            seqs = pooling_sequences(forward) if request.path in POOLING_PATHS else 1
+            check_sequences(seqs, g.cfg.max_sequences_per_request, forward)
+            g.check_room(link, seqs)
+            gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward,
+                              answer_id=secrets.token_hex(8))
+            run = g.generator.run(link, [gen], 1, prefix_key(forward))
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
 
         async def hold() -> None:  # then the input against the model's limits, once they are known

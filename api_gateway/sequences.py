@@ -32,10 +32,14 @@ manager, whose restart the request then waits for (as long again) to go on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import AsyncIterator, Callable
 
+import msgspec
+
+from api_gateway import tracing as T
 from api_gateway.engines import EngineLink
 from api_gateway.errors import (EngineRequestError, EngineStalled, EngineUnavailable, HttpError, refused_by_engine,
                                 unavailable)
@@ -49,6 +53,7 @@ log = logging.getLogger("api_gateway")
 # Engine restarts one request rides through; beyond, it fails (a request that brings its
 # engine down each time must not keep the model in a crash loop).
 MAX_RESTARTS = 3
+_NO_SPAN = contextlib.nullcontext()
 
 
 def encode_generate(gen: EP.Generate) -> bytes:
@@ -91,6 +96,7 @@ class RequestRun:
         self.restarts = 0
         # Encoded now, before anything is registered: a request that cannot be sent is a 400.
         self.frames = [encode_generate(g) for g in gens]
+        self.trace = T.RunTrace() if T.tracer is not None else None  # its spans (tracing on)
 
     async def deltas(self) -> AsyncIterator[tuple[int, EP.Delta]]:
         """Yield (prompt index, Delta) for every prompt's request until every choice finished."""
@@ -104,14 +110,26 @@ class RequestRun:
                 continue
             self.link = link
             began_on = began_on or link.config_id
+            if self.trace is not None:
+                batch = self._traced(link, batch)
             try:
                 async for item in self._run(link, batch):
+                    if self.trace is not None:
+                        self.trace.token()
                     yield item
+                if self.trace is not None:
+                    self.trace.end()
                 return
             except EngineGone as exc:
                 why = str(exc)
+                if self.trace is not None:
+                    self.trace.gone(why, exc.hung)
                 if exc.hung:
                     self._not_again(link, why)
+            except BaseException as exc:  # an error, the client gone: this lifetime's span ends with it
+                if self.trace is not None:
+                    self.trace.end(exc)
+                raise
             # The hold clock starts now: another replica, or this one's restart, has this long.
             deadline = time.monotonic() + model.hold_s(self.cfg.hold_timeout_s)
             self.restarts += 1
@@ -122,7 +140,8 @@ class RequestRun:
                 began_on = ""  # nothing produced yet: any configuration may run it (a reload's new one)
             # A reload that changed the model (weights, engine arguments, ...) ends it: its tokens
             # would go on another model's answer (ServedModel.wait_ready says so).
-            await self._wait(deadline - time.monotonic(), began_on)
+            with T.hold(model.name, str(model.status), why) if self.trace is not None else _NO_SPAN:
+                await self._wait(deadline - time.monotonic(), began_on)
             try:
                 sends = plan(self.gens, self.choices, self.new_request_id, self.whole_answer, self.restart,
                              self.constrained)
@@ -133,6 +152,17 @@ class RequestRun:
             log.info("model %s restarted (%s): going on with %d engine request(s) (restart %d of this request)",
                      link.model, why, len(sends), self.restarts)
             batch = [(pi, g, encode_generate(g)) for pi, g in sends]
+
+    def _traced(self, link: EngineLink,
+                batch: list[tuple[int, EP.Generate, bytes]]) -> list[tuple[int, EP.Generate, bytes]]:
+        """Tracing on: this engine lifetime's span (after a restart, the resume on the request's
+        span first), and the requests that carry it to the engine."""
+        if self.restarts:
+            self.trace.resumed(self.model.name, link.incarnation, link.start_span, self.restarts, len(batch))
+        parent = self.trace.attempt(self.model.name, link.incarnation, link.model, link.start_span,
+                                    resumed=self.restarts > 0)
+        gens = [(pi, msgspec.structs.replace(g, trace_parent=parent)) for pi, g, _ in batch]
+        return [(pi, g, encode_generate(g)) for pi, g in gens]
 
     def _not_again(self, link: EngineLink, why: str) -> None:
         """Its engine was killed as hung: a request with a prompt whose output had not begun may

@@ -94,6 +94,8 @@ class EngineServer(ManagerMessages, GatewayMessages, Intake):
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         self.max_num_seqs = getattr(sched, "max_num_seqs", 0) or 0
         self.requests: dict[str, InFlight] = {}  # request id -> what the engine keeps for it
+        self.tracing = None  # EngineTracing with tracing on (engine_core/tracing.py)
+        self.trace_parent = ""  # its start span's traceparent, in the HelloReply (tracing on)
         # A pooling request's engine requests (one per prompt, vLLM's ids) -> its request id.
         self.pooled: dict[str, str] = {}
         getter = getattr(engine, "get_supported_tasks", None)
@@ -305,6 +307,8 @@ class EngineServer(ManagerMessages, GatewayMessages, Intake):
                 log.exception("building the output of request %s", rid)
                 self._fail(peer, rid, f"internal error building this request's output: {type(exc).__name__}")
                 continue
+            if ro.finished and self.tracing is not None:
+                self.tracing.finished(rid, ro)
             if ro.finished and spec.api is not None and (follow := spec.api.take_next()) is not None:
                 self._add_next(peer, rid, follow)  # the request asks the engine again (speech_apis.py)
             elif ro.finished and getattr(getattr(spec, "pooling", None), "done", True):

@@ -26,7 +26,8 @@ class GatewayMessages:
                                       max_num_seqs=self.max_num_seqs, rejected_frames=self.rejected,
                                       tasks=list(self.tasks), kv_events=kv_events, kv_events_rank=rank,
                                       max_prompt_chars=self.max_model_len * getattr(self.tokenizer,
-                                                                                    "max_chars_per_token", 0)))
+                                                                                    "max_chars_per_token", 0),
+                                      trace_parent=self.trace_parent))
 
     def _on_abort(self, peer: bytes, msg: P.Abort) -> None:
         self._abort(msg.request_ids)

@@ -40,7 +40,7 @@ class InFlight:
 
 class Intake:
     """Uses ``EngineServer``'s spec, engine, tokenizer, group, builder, idle release, held outputs,
-    slices, pending, requests, by_peer, pooled, draining and its ``_send`` / ``_fail``."""
+    slices, pending, requests, by_peer, pooled, draining, tracing and its ``_send`` / ``_fail``."""
 
     def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
@@ -88,6 +88,8 @@ class Intake:
         built = None
         try:
             built = self._build(msg)
+            if msg.trace_parent and self.tracing is not None:  # vLLM's llm_request joins the trace
+                built.trace_headers = self.tracing.added(rid, msg.trace_parent)
             if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
                 self.slices.start(rid, built.spec.pooling)
             elif msg.resume is None:
@@ -186,3 +188,5 @@ class Intake:
                 if not mine:
                     del self.by_peer[req.peer]
         self.held.drop(rid)
+        if self.tracing is not None:
+            self.tracing.forget(rid)

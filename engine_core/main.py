@@ -33,6 +33,7 @@ from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.kv_events import vllm_config
 from engine_core.load_errors import describe, permanent_reason
 from engine_core.media import close_media_fetching
+from engine_core.tracing import EngineTracing
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
                                  read_key)
 from servectl.messages import one_line
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = read_spec_fd(args.spec_fd, EngineSpec)
     die_with_parent()
     setup_child_logging(f"engine_core[{spec.group_name}]", engine_component(spec.group_name), model_of(spec.group_name))
+    # Tracing on: the start span times the load (None, and nothing imported, when off).
+    traced = EngineTracing.start(spec.model.name, spec.incarnation, spec.group_name)
     key = read_key(args.key_fd)
     pidfds = [int(x) for x in args.worker_pidfds.split(",") if x]
     paths = RuntimePaths(Path(spec.runtime_dir))
@@ -159,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = EngineServer(spec, engine, group, frontend, control, release_mode=idle.mode,
                           device_memory=device_memory)
+    server.tracing = traced
     # vLLM's OpenAI request classes are imported, the model's generation config read and its chat
     # parsers made now, before ready, not by the first request. A parser vLLM does not register,
     # or one that does not fit the tokenizer, is the configuration's fault: no restart fixes it.
@@ -180,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return ExitCode.HUNG
+    if traced is not None:
+        server.trace_parent = traced.loaded(engine)
     server.say_ready()
     log.info("ready: %s (max_model_len %d, %d worker(s))", spec.model.model, server.max_model_len, tp)
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
     # which is a SIGTERM from the manager: log, then die of the signal (the manager reads that exit).
     def log_counters_and_die(signum, frame) -> None:
         log.info("stopping: %s; %s", group.counters(), server.counters())
+        if traced is not None:
+            traced.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 

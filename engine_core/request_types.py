@@ -110,20 +110,23 @@ class Built:
     # reasoning_parser_kwargs: chat_parsing.ChatFrontend.reasoning_request_fields), or None.
     core_fields: dict[str, Any] | None = None
     lora_request: Any = None  # the LoRA adapter the request's model names (loras.py), or None
+    trace_headers: dict[str, str] | None = None  # tracing on: its span's traceparent, for vLLM's span
 
     def add_to(self, engine, request_id: str) -> str:
         """``LLMEngine.add_request``; with ``core_fields``, the request is processed here and they are
         set on it first, as ``AsyncLLM.add_request`` does for `vllm serve`. Returns vLLM's id."""
         fields = {k: v for k, v in (self.core_fields or {}).items() if v is not None}
+        traced = {"trace_headers": self.trace_headers} if self.trace_headers else {}
         if not fields:
             return engine.add_request(request_id, self.engine_input, self.params, priority=self.priority,
-                                      session_id=self.session_id, lora_request=self.lora_request)
+                                      session_id=self.session_id, lora_request=self.lora_request, **traced)
         from vllm.renderers.inputs.preprocess import extract_prompt_components
 
         core = engine.input_processor.process_inputs(request_id, self.engine_input, self.params,
                                                      supported_tasks=engine.get_supported_tasks(),
                                                      lora_request=self.lora_request,
-                                                     priority=self.priority, session_id=self.session_id)
+                                                     priority=self.priority, session_id=self.session_id,
+                                                     **traced)
         for name, value in fields.items():
             setattr(core, name, value)
         prompt_text = extract_prompt_components(engine.model_config, self.engine_input).text

@@ -40,6 +40,7 @@ from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.reload import Reloader
 from manager.sdnotify import notify
 from manager.served import ServedModels
+from manager.spans import GroupSpans
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from manager.verbs import ModelVerbs
@@ -83,6 +84,7 @@ class Manager:
         self.state_dir = state_dir
         self.lock_fd = lock_fd  # manager.pid, flocked for our whole life (manager/main.py)
         self.report_fd = report_fd  # StartupError goes there (python -m manager); closed once bound
+        self.spans: GroupSpans | None = None  # tracing on: restarts, evictions, wakes, rolls (spans.py)
         self.shared = is_shared(os.stat(paths.root))  # its group may use the read-only socket and read logs
         self.log_dir = secure_dir(state_dir / "logs", 0o750 if self.shared else 0o700)
         self.started_at = time.time()
@@ -184,6 +186,8 @@ class Manager:
 
     def on_group_change(self, group: EngineGroup) -> None:
         self.publish(report.group_event(group))
+        if self.spans is not None:
+            self.spans.changed(group.name, group.cfg.name, group.state, group.reason, group.incarnation)
         if self.cluster is not None and group.spread:
             self.cluster.on_group_state(group)  # its other hosts learn it serves (their status says so)
         notify(f"STATUS=model {group.name}: {group.state}")

@@ -14,6 +14,7 @@ import msgspec
 from manager.daemon import Manager, StartupError
 from servectl.paths import (AlreadyRunning, RuntimePaths, UntrustedDirectory, is_shared, lock_pidfile, remove_stale,
                             resolve_runtime_dir, secure_dir)
+from servectl import tracing
 from servectl.logjson import LOG_FORMAT_ENV
 from servectl.proc import INSTANCE_ENV, become_subreaper, die_with_parent, setup_child_logging
 from servectl.wire import control as P
@@ -77,7 +78,11 @@ def run_manager(args: argparse.Namespace) -> int:
     # The log format, for us and (in the environment every child inherits: process_env) the
     # whole tree; set even when "text", so a format in the caller's environment does not leak in.
     os.environ[LOG_FORMAT_ENV] = cfg.manager.log_format
+    if cfg.manager.otlp_traces_endpoint:  # traces: the whole tree's too (servectl/tracing)
+        os.environ[tracing.TRACES_ENDPOINT_ENV] = cfg.manager.otlp_traces_endpoint
     setup_child_logging("manager")
+    if (bad := tracing.check_env()) is not None:
+        raise StartupError(bad)
     if args.die_with_parent:
         die_with_parent()
     root = resolve_runtime_dir(cfg.manager.runtime_dir)
@@ -103,6 +108,11 @@ def run_manager(args: argparse.Namespace) -> int:
     from manager.logs import rotate_own_log
 
     rotate_own_log(manager.log_dir / "manager.log")  # the file the CLI gave us as stdout and stderr
+    tracer = tracing.start("manager")
+    if tracer is not None:
+        from manager.spans import GroupSpans
+
+        manager.spans = GroupSpans(tracer)
 
     async def run() -> int:
         if args.parent_pipe_fd is not None:

@@ -20,6 +20,7 @@ from manager.gateways import GatewayPool
 from manager.rollout import Rollout
 from manager.sdnotify import notify
 from manager.served import ServedModels
+from manager.spans import GroupSpans, roll_span
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
 from servectl import config as C
@@ -69,6 +70,7 @@ class ReloadHost(Protocol):
     start_gate: StartGate
     standbys: StandbyPool
     gateways: GatewayPool
+    spans: GroupSpans | None  # tracing on: the manager's spans (a roll is one)
 
     def reconfigure_cluster(self, new: C.Config) -> str | None: ...
     def bind_failure(self, gateway: C.GatewayConfig, exc: OSError) -> str: ...
@@ -121,6 +123,9 @@ class Reloader:
         log.info("reload: %s", plan.summary())
         if plan.manager.log_format != h.settings.log_format:  # the tree's environment, set at start
             log.warning("manager.log_format = %r takes effect at the next start", plan.manager.log_format)
+        if plan.manager.otlp_traces_endpoint != h.settings.otlp_traces_endpoint:
+            log.warning("manager.otlp_traces_endpoint = %r takes effect at the next start",
+                        plan.manager.otlp_traces_endpoint)
         h.settings = plan.manager
         h.budget.cap = plan.manager.max_loaded_models
         if plan.manager.memory_budget and not h.budget.totals:
@@ -137,7 +142,8 @@ class Reloader:
             served.add_model(model)
         ways = {}
         for model in plan.changed:  # one after another: one start at a time per device anyway
-            ways[model.name] = await self.rollout.apply(model)
+            with roll_span(h.spans, model.name):
+                ways[model.name] = await self.rollout.apply(model)
         for group in served.groups.values():  # [manager] warm_standby may have changed
             if h.settings.warm_standby:
                 h.standbys.refill(group)

@@ -140,6 +140,10 @@ class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # model, logger, message, request_id, pid; servectl/logjson.py). Read at start: a reload keeps
     # the running tree's (a log file with two formats in it would be read by neither's tools).
     log_format: Literal["text", "json"] = "text"
+    # OpenTelemetry traces of every request and of the manager's restarts, evictions, wakes and
+    # rolls go to this OTLP endpoint ("": the OTEL_EXPORTER_OTLP_* environment decides; docs/
+    # operations.md). Put in the whole tree's environment at start: a reload keeps the running one.
+    otlp_traces_endpoint: str = ""
 
 
 # A LoRA adapter's name: a model name of its own in requests and /v1/models (vLLM's --lora-modules

@@ -75,6 +75,9 @@ class Generate(_Msg, tag="generate"):
     # Responses / Messages: the answer's own id, the same across restarts (the response id,
     # unless the body names one; what vLLM's ids for the answer's items are derived from).
     answer_id: str = ""
+    # Tracing on: the W3C traceparent of the gateway's span for this engine lifetime of the
+    # request; the engine's spans and vLLM's ``llm_request`` are its children.
+    trace_parent: str = ""
 
 
 class Abort(_Msg, tag="abort"):
@@ -127,6 +130,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     # The most characters a prompt may have before vLLM refuses it untokenised: max_model_len ×
     # the tokenizer's max_chars_per_token (0: not told).
     max_prompt_chars: int = 0
+    # Tracing on: the traceparent of this engine lifetime's start span (a request resumed on it
+    # links to it); "" with tracing off.
+    trace_parent: str = ""
 
 
 class PromptInfo(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
