@@ -38,7 +38,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +130,7 @@ def summarize(rounds: list[dict]) -> dict:
 def markdown(res: dict, a: str, b: str) -> str:
     sa, sb = res["summary"][a], res["summary"][b]
     lines = [f"# {b} vs {a}: {res['rounds']} alternating rounds — {res['date']}", "",
+             *(f"{note}\n" for note in res.get("notes", [])),  # a caller's (bench.tracing: the spans exported)
              f"Machine: {res['machine']['cores']} cores, {res['machine']['cpu']}. Prompts {res['params']['input_len']}"
              f" tokens, {res['params']['output_len']} output tokens (ignore_eos). Median of the rounds, "
              "[min – max] beside it.", "",
@@ -208,6 +209,7 @@ class Side:
     engine_args: dict[str, str] = field(default_factory=dict)
     code: Path | None = None
     commit: str | None = None  # the commit a checkout serves (side A of --base-commit)
+    start_env: dict[str, str] = field(default_factory=dict)  # of `servectl start`: every process inherits it
 
 
 def git(repo: Path, *args: str) -> str:
@@ -247,12 +249,14 @@ def plan(p: argparse.Namespace, base_code: Path | None = None, base_commit: str 
     """The two sides of the run, A then B (each round runs A, then B)."""
     env_a, env_b = parse_env(p.env_a), parse_env(p.env_b)
     args_a, args_b = parse_env(p.engine_arg_a), parse_env(p.engine_arg_b)
+    start_a, start_b = parse_env(p.start_env_a), parse_env(p.start_env_b)
     if base_commit is not None:
-        return (Side(f"servectl@{base_commit[:10]}", "servectl", env_a, args_a, base_code, base_commit),
-                Side(f"servectl@{tree}", "servectl", env_b, args_b))
+        return (Side(f"servectl@{base_commit[:10]}", "servectl", env_a, args_a, base_code, base_commit, start_a),
+                Side(f"servectl@{tree}", "servectl", env_b, args_b, start_env=start_b))
     if p.only:
-        return (Side("servectl A", "servectl", env_a, args_a), Side("servectl B", "servectl", env_b, args_b))
-    return Side("vllm serve", "vllm"), Side("servectl", "servectl", env_b, args_b)
+        return (Side(p.name_a or "servectl A", "servectl", env_a, args_a, start_env=start_a),
+                Side(p.name_b or "servectl B", "servectl", env_b, args_b, start_env=start_b))
+    return Side("vllm serve", "vllm"), Side("servectl", "servectl", env_b, args_b, start_env=start_b)
 
 
 def schedule(rounds: int, sides: tuple[Side, Side]) -> list[tuple[int, Side]]:
@@ -280,10 +284,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-arg-a", action="append", default=[], metavar="K=V",
                     help="engine argument of servectl A (--only), a TOML value: async_scheduling=true")
     ap.add_argument("--engine-arg-b", action="append", default=[], metavar="K=V", help="engine argument of servectl B")
+    ap.add_argument("--start-env-a", action="append", default=[], metavar="K=V",
+                    help="environment of `servectl start` of servectl A (--only), which its every process inherits")
+    ap.add_argument("--start-env-b", action="append", default=[], metavar="K=V",
+                    help="environment of `servectl start` of servectl B")
+    ap.add_argument("--name-a", help="side A's label (--only; default 'servectl A')")
+    ap.add_argument("--name-b", help="side B's label (--only; default 'servectl B')")
     ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
     ap.add_argument("--ceiling", action="store_true",
                     help="after each round, the same streaming cells through vLLM's in-process LLM (bench.ceiling)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                    help="a folder (<date>-<tag>.json and .md in it) or a .json file (and the .md beside it)")
     ap.add_argument("--tag", default="rounds")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="no servers: the medians of all the rounds of these result files together")
@@ -300,7 +311,11 @@ def check(p: argparse.Namespace) -> None:
         raise SystemExit("--base-commit already compares two servectls (A: the commit, B: this tree); drop --only")
     if p.rounds < 1:
         raise SystemExit("--rounds: at least 1")
-    for item in (*p.env_a, *p.env_b, *p.engine_arg_a, *p.engine_arg_b):
+    if (p.name_a or p.name_b) and not p.only:
+        raise SystemExit("--name-a/--name-b label the sides of --only")
+    if p.name_a and p.name_a == p.name_b:
+        raise SystemExit("--name-a and --name-b: two sides, two names")
+    for item in (*p.env_a, *p.env_b, *p.engine_arg_a, *p.engine_arg_b, *p.start_env_a, *p.start_env_b):
         if "=" not in item:
             raise SystemExit(f"expected K=V, got {item!r}")
 
@@ -323,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_rounds(p, sides, concurrency)
 
 
-def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: list[int]) -> int:
+def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: list[int],
+               after_round: Callable[[Side, dict], None] | None = None,
+               before_write: Callable[[dict], None] | None = None) -> int:
+    """The rounds, the summary and the files. ``after_round`` sees each round's result once its
+    server stopped (and may add to it); ``before_write`` the whole result (``res["notes"]``: lines
+    the table's heading is followed by)."""
     work = Path(tempfile.mkdtemp(prefix="servectl-rounds-"))
     standby = not p.no_standby
     a, b = (side.name for side in sides)
@@ -332,13 +352,14 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
         if side.kind == "vllm":
             return VllmServe(work)
         return Servectl(work, env=side.env, label=label(side.name), warm_standby=standby,
-                        engine_args=side.engine_args, code=side.code)
+                        engine_args=side.engine_args, code=side.code, start_env=side.start_env)
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rounds": p.rounds,
                  "params": {"concurrency": concurrency, "prompts": p.prompts, "input_len": p.input_len,
                             "output_len": p.output_len, "non_stream_requests": p.non_stream_requests,
                             "env_a": p.env_a, "env_b": p.env_b, "engine_args_a": p.engine_arg_a,
-                            "engine_args_b": p.engine_arg_b, "warm_standby": standby,
+                            "engine_args_b": p.engine_arg_b, "start_env_a": p.start_env_a,
+                            "start_env_b": p.start_env_b, "warm_standby": standby,
                             "base_commit": sides[0].commit, "sides": [a, b]},
                  "raw": {a: [], b: []}}
     if p.ceiling:
@@ -346,6 +367,8 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
     for i, side in schedule(p.rounds, sides):
         print(f"== round {i + 1}/{p.rounds}: {side.name}", flush=True)
         r = one_round(make(side), concurrency, p, work)
+        if after_round is not None:
+            after_round(side, r)
         res["raw"][side.name].append(r)
         print(json.dumps(r), flush=True)
         if p.ceiling and side is sides[1]:
@@ -357,8 +380,10 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
     res["summary"] = {name: summarize(res["raw"][name]) for name in (a, b)}
     if p.ceiling:
         res["summary"]["ceiling"] = summarize_ceiling(res["ceiling"])
-    p.out.mkdir(parents=True, exist_ok=True)
-    stem = p.out / f"{time.strftime('%Y-%m-%d')}-{p.tag}"
+    if before_write is not None:
+        before_write(res)
+    stem = p.out.with_suffix("") if p.out.suffix == ".json" else p.out / f"{time.strftime('%Y-%m-%d')}-{p.tag}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res, a, b)
     stem.with_suffix(".md").write_text(md)

@@ -213,7 +213,7 @@ class Servectl(Server):
     name = "servectl"
 
     def __init__(self, workdir: Path, env: dict | None = None, label: str = "servectl", warm_standby: bool = True,
-                 engine_args: dict | None = None, code: Path | None = None):
+                 engine_args: dict | None = None, code: Path | None = None, start_env: dict | None = None):
         super().__init__(workdir)
         self.runtime = workdir / f"rt-{label}"
         self.extra_env = env or {}
@@ -224,6 +224,9 @@ class Servectl(Server):
         # --base-commit). Its CLI runs from there and its children import from there
         # (servectl.proc.with_package_path puts the importing tree first on their PYTHONPATH).
         self.code = code or ROOT
+        # The environment of `servectl start` itself, which every process of the tree inherits
+        # (the OpenTelemetry SDK's variables: bench.tracing); extra_env reaches the engine only.
+        self.start_env = start_env or {}
 
     def cli_env(self) -> dict | None:
         if self.code == ROOT:
@@ -245,11 +248,14 @@ class Servectl(Server):
                           f'[models.engine_args]\nenforce_eager = true\nkv_cache_memory_bytes = {KV_BYTES}\n'
                           f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n{arg_lines}'
                           + (f"[models.env]\n{env_lines}" if env_lines else ""))
+        env = self.cli_env()
+        if self.start_env:
+            env = {**(env or os.environ), **self.start_env}
         self.launched = time.monotonic()
         # `servectl start` returns when ready; the clock runs from launch to first completion either way.
         self.proc = subprocess.Popen([sys.executable, "-m", "servectl.cli", "start", "--config", str(config),
                                       "--port", str(self.port), "--runtime-dir", str(self.runtime)], cwd=self.code,
-                                     env=self.cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status(self) -> dict:
         return json.loads(self.cli("status", "--json").stdout)
