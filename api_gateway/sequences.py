@@ -158,7 +158,8 @@ class RequestRun:
         """Tracing on: this engine lifetime's span (after a restart, the resume on the request's
         span first), and the requests that carry it to the engine."""
         if self.restarts:
-            self.trace.resumed(self.model.name, link.incarnation, link.start_span, self.restarts, len(batch))
+            self.trace.resumed(self.model.name, link.model, link.incarnation, link.start_span, self.restarts,
+                               len(batch))
         parent = self.trace.attempt(self.model.name, link.incarnation, link.model, link.start_span,
                                     resumed=self.restarts > 0)
         gens = [(pi, msgspec.structs.replace(g, trace_parent=parent)) for pi, g, _ in batch]

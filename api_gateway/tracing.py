@@ -131,9 +131,10 @@ class RunTrace:
             self.current.end()
             self.current = None
 
-    def resumed(self, model: str, incarnation: str, start_span: str, restarts: int, requests: int) -> None:
-        """The request goes on on a new engine lifetime (a restart, or another replica)."""
-        attrs = {"gen_ai.request.model": model, "servectl.incarnation": incarnation,
+    def resumed(self, model: str, replica: str, incarnation: str, start_span: str, restarts: int,
+                requests: int) -> None:
+        """The request goes on on a new engine lifetime (a restart, or another replica: a failover)."""
+        attrs = {"gen_ai.request.model": model, "servectl.replica": replica, "servectl.incarnation": incarnation,
                  "servectl.restarts": restarts, "servectl.engine_requests": requests}
         self.request_span.add_event("servectl.resume", attrs)
         target = context_of(start_span)

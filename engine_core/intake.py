@@ -116,6 +116,8 @@ class Intake:
 
     def _add_next(self, peer: bytes, rid: str, built: Built) -> None:
         """A request's next call to vLLM, under its id, once the one before it finished."""
+        if self.tracing is not None:
+            built.trace_headers = self.tracing.headers(rid)
         try:
             built.add_to(self.engine, rid)
         except BaseException as exc:  # noqa: BLE001 - as at admission: vLLM's classification

@@ -45,7 +45,11 @@ class EngineTracing:
         (for the HelloReply: requests resumed here link to it)."""
         processor = getattr(engine, "output_processor", None)
         if processor is not None and hasattr(processor, "tracing_enabled"):
-            processor.tracing_enabled = True
+            if getattr(engine, "log_stats", False):
+                processor.tracing_enabled = True
+            else:  # vLLM's span is made from its request stats (it asserts they are kept)
+                log.warning("disable_log_stats is set: vLLM's llm_request spans and servectl's queue, "
+                            "prefill and decode spans are not made")
         self.start_span.end()
         return traceparent(self.start_span)
 
@@ -62,9 +66,14 @@ class EngineTracing:
         self.parents[request_id] = parent
         return {"traceparent": parent}
 
+    def headers(self, request_id: str) -> dict[str, str] | None:
+        """The trace headers of a request's next call to vLLM (speech: one per window)."""
+        parent = self.parents.get(request_id)
+        return {"traceparent": parent} if parent else None
+
     def finished(self, request_id: str, output: Any) -> None:
-        """Its queue, prefill and decode spans, from vLLM's timestamps for the request."""
-        parent = self.parents.pop(request_id, "")
+        """Its queue, prefill and decode spans (of one call to vLLM), from vLLM's timestamps."""
+        parent = self.parents.get(request_id, "")
         stats = getattr(output, "metrics", None)
         if not parent or stats is None or not getattr(stats, "scheduled_ts", 0):
             return

@@ -9,8 +9,10 @@ outside logging (a progress bar, a C library's print) is wrapped into an object 
 shape by the manager as it reads the pipe (``wrap_line``), so every line of a log is JSON.
 
 Fields: ``time`` (ISO 8601 UTC, ms), ``level``, ``component``, ``model`` (null where none),
-``logger``, ``message``, ``pid``; ``request_id`` where the record has one; ``exc`` for a
-traceback; and a record's own ``fields`` (the access log's method, path, status, ...).
+``logger``, ``message``, ``pid``; ``request_id`` where the record has one; ``trace_id`` and
+``span_id`` with tracing on, of the span current where the record was made (a gateway's line about
+a request carries its trace: servectl/tracing); ``exc`` for a traceback; and a record's own
+``fields`` (the access log's method, path, status, ...).
 No vLLM import here: the manager and the gateway use it too.
 """
 
@@ -51,6 +53,9 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self.component = component
         self.model = model
+        from servectl import tracing
+
+        self.traced = tracing.endpoint() is not None  # off: no OpenTelemetry import, no lookup
 
     def format(self, record: logging.LogRecord) -> str:
         obj = {"time": iso_time(record.created), "level": record.levelname, "component": self.component,
@@ -63,6 +68,8 @@ class JsonFormatter(logging.Formatter):
             obj["model"] = fields.pop("model", None)
         for key, value in fields.items():
             obj.setdefault(key, value)  # a record's own fields never replace the common ones
+        if self.traced and "trace_id" not in obj:
+            obj.update(current_trace())
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
@@ -70,6 +77,14 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             obj["stack"] = self.formatStack(record.stack_info)
         return dumps(obj)
+
+
+def current_trace() -> dict:
+    """The current span's ids (tracing on), as the log fields name them; {} outside any span."""
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"} if ctx.is_valid else {}
 
 
 def is_json_line(line: str) -> bool:

@@ -7,8 +7,8 @@ chat through the `openai` SDK, a request held while its released model starts ag
 across a worker SIGKILL each give one trace: the gateway's server span, its admission, hold and
 ``servectl.engine`` children, the engine's queue / prefill / decode spans and vLLM's own
 ``llm_request`` under the engine span, each process under its own resource; the crash and the
-resume as events with a link to the new engine's start span. The manager's restart, release and
-wake are spans of their own. With tracing on and no traffic the tree still sleeps.
+resume as events with a link to the new engine's start span; a replica's crash and the failover
+to the other replica likewise. The manager's restart, release and wake are spans of their own. With tracing on and no traffic the tree still sleeps.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import signal
+import threading
 import time
 
 import pytest
@@ -36,6 +37,10 @@ log_format = "json"
 name = "{MODEL}"
 model = "{DEFAULT_MODEL_DIR}"
 idle_release_s = {RELEASE_S}
+[[models]]
+name = "twin"
+model = "{DEFAULT_MODEL_DIR}"
+replicas = 2
 """
 SERVER, CLIENT = 2, 3  # the protocol's SpanKind values
 
@@ -193,15 +198,17 @@ def test_a_stream_across_a_worker_sigkill_is_one_trace_with_its_resume(traced, r
     header, trace_id, _ = parent_header()
     client = traced.openai(default_headers={"traceparent": header})
     before = traced.child(f"engine_core:{MODEL}").pid
-    stream = client.completions.create(model=MODEL, prompt="def ", max_tokens=200, stream=True,
+    worker = traced.child(f"worker:{MODEL}:0").pid
+    stream = client.completions.create(model=MODEL, prompt="def ", max_tokens=480, stream=True,
                                        extra_body={"ignore_eos": True}, temperature=0)
     got, killed = [], False
     for chunk in stream:
         got.append(chunk.choices[0].text)
-        if not killed and len(got) >= 5:
+        if not killed and len(got) >= 3:
             killed = True
-            os.kill(traced.child(f"worker:{MODEL}:0").pid, signal.SIGKILL)
-    assert killed and len("".join(got)) > 0
+            os.kill(worker, signal.SIGSTOP)  # no step more (the stream cannot end before the kill)
+            os.kill(worker, signal.SIGKILL)
+    assert killed and len(got) > 3
     spans = whole_trace(receiver, trace_id, {"POST /v1/completions", "llm_request"}, timeout=120)
     def both_engine_spans():
         spans = receiver.trace(trace_id)
@@ -223,9 +230,67 @@ def test_a_stream_across_a_worker_sigkill_is_one_trace_with_its_resume(traced, r
                       60, what="the new engine's start span")
     assert (starts[0].trace_id, starts[0].span_id) in {(t, s) for t, s, _ in server.links}
     assert (starts[0].trace_id, starts[0].span_id) in {(t, s) for t, s, _ in second.links}
+    # The gateway's log line about the resume, made inside the request's span, carries its trace.
+    log = traced.runtime_dir / "state" / "logs" / "gateway-0.log"
+    going_on = [o for o in map(json.loads, log.read_text().splitlines()) if "going on with" in o["message"]
+                and o.get("trace_id") == trace_id]
+    assert going_on and going_on[0]["span_id"] == server.span_id
     check_engine_side([s for s in spans if s.parent == second.span_id], second)
     assert traced.child(f"engine_core:{MODEL}").pid != before
     # The manager's restart, with the new incarnation.
     restart = wait_for(lambda: [s for s in receiver.named("servectl.restart") if s.component == "manager"
                                 and s.attributes.get("servectl.end_state") == "ready"], 60, what="the restart span")
     assert restart[-1].attributes["servectl.new_incarnation"] == resume["servectl.incarnation"]
+
+
+def test_a_failover_to_the_other_replica_is_an_event_with_a_link_to_it(traced, receiver):
+    """Two streams sent at once, one on each replica of "twin" (the least loaded takes the next).
+    Both replicas' workers are stopped once both streams have begun, so neither can finish; then
+    twin@0's is killed and twin@1's continued: the stream twin@0 ran goes on at once on twin@1,
+    whose start span the resume links to."""
+    headers = [parent_header() for _ in range(2)]
+    started = [threading.Event() for _ in headers]
+    go = threading.Barrier(len(headers))
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            client = traced.openai(default_headers={"traceparent": headers[i][0]}, timeout=300)
+            go.wait(30)
+            for n, _ in enumerate(client.completions.create(model="twin", prompt=f"def f{i}(", max_tokens=480,
+                                                            stream=True, extra_body={"ignore_eos": True})):
+                if n >= 2:
+                    started[i].set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [traced.child(f"worker:twin@{r}:0").pid for r in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(e.wait(120) for e in started)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)  # neither replica takes another step
+    os.kill(workers[0], signal.SIGKILL)
+    os.kill(workers[1], signal.SIGCONT)
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    moved = []
+    for _, trace_id, _ in headers:
+        spans = whole_trace(receiver, trace_id, {"POST /v1/completions", "llm_request"}, timeout=120)
+        server = server_span(spans, "/v1/completions")
+        if server.events:
+            moved.append((server, spans))
+    assert len(moved) == 1, "one stream ran on the killed replica"
+    server, spans = moved[0]
+    resume = dict(server.events)["servectl.resume"]
+    assert resume["servectl.replica"] == "twin@1"
+    starts = [s for s in receiver.named("servectl.engine.start") if s.resource.get("servectl.replica") == "twin@1"
+              and s.resource.get("servectl.incarnation") == resume["servectl.incarnation"]]
+    assert len(starts) == 1
+    assert (starts[0].trace_id, starts[0].span_id) in {(t, s) for t, s, _ in server.links}
+    engines = sorted((s for s in spans if s.name == "servectl.engine"), key=lambda s: s.start_ns)
+    assert [e.attributes["servectl.replica"] for e in engines] == ["twin@0", "twin@1"]

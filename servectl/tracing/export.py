@@ -6,7 +6,9 @@ sleeps on a condition with no timeout while the queue is empty; the first span q
 delay, a full batch cuts it short, and the thread exports on its own, never on the thread that
 ended the span (a gateway's event loop, the engine's step loop). The SDK's variables size it:
 ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
-``OTEL_BSP_EXPORT_TIMEOUT``. A full queue drops the newest span (counted, logged once).
+``OTEL_BSP_EXPORT_TIMEOUT``; the delay defaults to 1 s, not the SDK's 5 s: a member of a group
+is SIGKILLed when another dies, and what it had not exported yet is lost with it (the engine
+flushes on an orderly stop). A full queue drops the newest span (counted, logged once).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from opentelemetry.sdk.trace import SpanProcessor
 
 log = logging.getLogger("servectl.tracing")
+DEFAULT_DELAY_MS = 1000
 
 
 def _env_ms(name: str, default: float) -> float:
@@ -43,7 +46,7 @@ class QuietBatchProcessor(SpanProcessor):
     def __init__(self, exporter: Any, delay_s: float | None = None, max_queue: int | None = None,
                  max_batch: int | None = None):
         self.exporter = exporter
-        self.delay_s = _env_ms("OTEL_BSP_SCHEDULE_DELAY", 5000) if delay_s is None else delay_s
+        self.delay_s = _env_ms("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_MS) if delay_s is None else delay_s
         self.max_queue = max_queue or _env_int("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self.max_batch = min(max_batch or _env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self.max_queue)
         self.queue: collections.deque = collections.deque()
