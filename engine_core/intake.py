@@ -101,6 +101,8 @@ class Intake:
                 raise
             # vLLM may have registered part of it before refusing: drop whatever it holds.
             self._drop(rid)
+            if self.tracing is not None:
+                self.tracing.forget(rid)
             if built is not None:
                 self._forget_media(built)
             # Admission only looks at the request itself, so whatever it rejects is bad input:

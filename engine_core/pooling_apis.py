@@ -141,6 +141,7 @@ class PoolingCall:
         self.outputs: dict[str, Any] = {}
         self.request_id = request_id  # the engine request it answers (Generate.request_id)
         self.done = False  # its response went out
+        self.trace_headers: dict[str, str] | None = None  # tracing on: each input's vLLM span joins it
 
     @property
     def ids(self) -> list[str]:
@@ -170,7 +171,8 @@ class PoolingCall:
         while self.added < len(self.requests):
             rid, prompt, params, priority = self.requests[self.added]
             self.added += 1  # (counted first: vLLM may hold part of one it refuses, and it is dropped)
-            engine.add_request(rid, prompt, params, priority=priority or 0)
+            traced = {"trace_headers": self.trace_headers} if self.trace_headers else {}
+            engine.add_request(rid, prompt, params, priority=priority or 0, **traced)
             new.append(rid)
             if stop():
                 return new
@@ -208,3 +210,11 @@ class PooledBuilt:
     def __init__(self, call: PoolingCall):
         self.call = call
         self.spec = OutputSpec(chat=False, pooling=call)
+
+    @property
+    def trace_headers(self) -> dict[str, str] | None:
+        return self.call.trace_headers
+
+    @trace_headers.setter
+    def trace_headers(self, value: dict[str, str] | None) -> None:
+        self.call.trace_headers = value

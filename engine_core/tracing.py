@@ -15,6 +15,7 @@ clock here): no per-step cost.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from typing import Any
@@ -33,6 +34,13 @@ class EngineTracing:
         self.parents: dict[str, str] = {}  # request id -> its traceparent (the gateway's span)
         self.start_span = tracer.start_span("servectl.engine.start", attributes={
             "gen_ai.request.model": model, "servectl.incarnation": incarnation})
+        # Current until loaded: vLLM's own load spans (its ``@instrument``) are its children.
+        from opentelemetry import context, trace
+
+        self._loading = context.attach(trace.set_span_in_context(self.start_span))
+        # Registered after the provider's shutdown (tracing.start): runs before it, so a start
+        # that ends in an exit or a crash is exported, in error.
+        atexit.register(self.exited)
 
     @classmethod
     def start(cls, model: str, incarnation: str, group: str) -> EngineTracing | None:
@@ -43,6 +51,9 @@ class EngineTracing:
     def loaded(self, engine: Any) -> str:
         """The model is loaded: the start span ends; vLLM's request spans on. Its traceparent
         (for the HelloReply: requests resumed here link to it)."""
+        from opentelemetry import context
+
+        context.detach(self._loading)
         processor = getattr(engine, "output_processor", None)
         if processor is not None and hasattr(processor, "tracing_enabled"):
             if getattr(engine, "log_stats", False):
@@ -53,11 +64,13 @@ class EngineTracing:
         self.start_span.end()
         return traceparent(self.start_span)
 
-    def failed(self, why: str) -> None:
+    def exited(self) -> None:
+        """At exit: a start that never got to ready ends in error (the engine's log says why)."""
         from opentelemetry.trace import Status, StatusCode
 
-        self.start_span.set_status(Status(StatusCode.ERROR, why[:200]))
-        self.start_span.end()
+        if self.start_span.is_recording():
+            self.start_span.set_status(Status(StatusCode.ERROR, "the engine exited before it was ready"))
+            self.start_span.end()
 
     def added(self, request_id: str, parent: str) -> dict[str, str] | None:
         """A request added with its gateway span's traceparent: the trace headers vLLM gets."""

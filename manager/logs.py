@@ -9,8 +9,8 @@ its own stderr prefixed with the component, where journald timestamps them.
 With JSON logs (``[manager] log_format = "json"``) a line that is not a JSON object (a child's
 output outside logging: a progress bar, a library's print) is wrapped into one
 (servectl/logjson.py ``wrap_line``), so every line of a file is an object. Under systemd a line
-goes to the journal as the text ones do, prefixed, the object whole in its MESSAGE (`journalctl -o cat
-| grep -o '{.*' | jq` reads it): the journal's own fields are not set (docs/decisions.md).
+is sent to journald as an entry of its own whose fields are the object's (manager/journal.py:
+``journalctl SERVECTL_MODEL=chat REQUEST_ID=...``); one it cannot take goes as text, prefixed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from manager.journal import shared
 from servectl.logjson import is_json_line, json_logs, wrap_line
 from servectl.paths import open_append
 from servectl.wire.spawn import model_of, parse_component
@@ -72,6 +73,9 @@ class LogSink:
         self.lines.extend(text)
         self.written += len(text)
         if self.journal:
+            if self.json_lines:  # each object as the journal's own fields; what did not go, as text
+                native = shared()
+                text = [line for line in text if not native.send_line(line)]
             sys.stderr.write("".join(f"{self.component}: {line}\n" for line in text))
             sys.stderr.flush()
             return

@@ -12,6 +12,8 @@ from pathlib import Path
 import msgspec
 
 from manager.daemon import Manager, StartupError
+from manager.journal import journal_own_records
+from manager.logs import journal_mode
 from servectl.paths import (AlreadyRunning, RuntimePaths, UntrustedDirectory, is_shared, lock_pidfile, remove_stale,
                             resolve_runtime_dir, secure_dir)
 from servectl import tracing
@@ -81,6 +83,8 @@ def run_manager(args: argparse.Namespace) -> int:
     if cfg.manager.otlp_traces_endpoint:  # traces: the whole tree's too (servectl/tracing)
         os.environ[tracing.TRACES_ENDPOINT_ENV] = cfg.manager.otlp_traces_endpoint
     setup_child_logging("manager")
+    if journal_mode() and cfg.manager.log_format == "json":
+        journal_own_records()  # its records as the journal's own fields (manager/journal.py)
     if (bad := tracing.check_env()) is not None:
         raise StartupError(bad)
     if args.die_with_parent:

@@ -81,7 +81,10 @@ class JsonFormatter(logging.Formatter):
 
 def current_trace() -> dict:
     """The current span's ids (tracing on), as the log fields name them; {} outside any span."""
-    from opentelemetry import trace
+    try:
+        from opentelemetry import trace
+    except ImportError:  # tracing configured without the SDK (servectl.tracing.start said so)
+        return {}
 
     ctx = trace.get_current_span().get_span_context()
     return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"} if ctx.is_valid else {}

@@ -3,7 +3,8 @@ process that decodes the real protocol (tests/otlp_receiver.py).
 
 One daemon with the OpenTelemetry SDK's environment pointing at the receiver (and JSON logs, whose
 access line carries the trace): a completion that continues a client's ``traceparent``, a streamed
-chat through the `openai` SDK, a request held while its released model starts again, and a stream
+chat through the `openai` SDK, an embeddings request (vLLM's span per input), a request held while
+its released model starts again, and a stream
 across a worker SIGKILL each give one trace: the gateway's server span, its admission, hold and
 ``servectl.engine`` children, the engine's queue / prefill / decode spans and vLLM's own
 ``llm_request`` under the engine span, each process under its own resource; the crash and the
@@ -41,6 +42,13 @@ idle_release_s = {RELEASE_S}
 name = "twin"
 model = "{DEFAULT_MODEL_DIR}"
 replicas = 2
+[[models]]
+name = "embed"
+model = "{DEFAULT_MODEL_DIR}"
+[models.engine_args]
+runner = "pooling"
+convert = "embed"
+dtype = "float32"
 """
 SERVER, CLIENT = 2, 3  # the protocol's SpanKind values
 
@@ -155,6 +163,22 @@ def test_a_streamed_chat_through_the_sdk_is_one_trace(traced, receiver):
     engine = one(spans, "servectl.engine")
     assert engine.parent == server.span_id
     check_engine_side(spans, engine)
+
+
+def test_an_embeddings_request_is_one_trace_with_vllms_span_per_input(traced, receiver):
+    header, trace_id, _ = parent_header()
+    r = http(traced, "POST", "/v1/embeddings", {"model": "embed", "input": ["def foo():", "import os"]},
+             headers={"traceparent": header}, timeout=300)
+    assert r.status == 200, r.body[:300]
+    spans = whole_trace(receiver, trace_id, {"POST /v1/embeddings", "servectl.engine", "llm_request"})
+    server = server_span(spans, "/v1/embeddings")
+    engine = one(spans, "servectl.engine")
+    assert engine.parent == server.span_id
+    wait_for(lambda: len([s for s in receiver.trace(trace_id) if s.name == "llm_request"]) == 2, 30,
+             what="vLLM's span for each input")
+    llm = [s for s in receiver.trace(trace_id) if s.name == "llm_request"]
+    assert all(s.parent == engine.span_id and s.component == "engine" for s in llm)
+    assert all(s.resource["servectl.model"] == "embed" for s in llm)
 
 
 def test_the_idle_tree_sleeps_with_tracing_on(traced, receiver):

@@ -279,3 +279,24 @@ def test_a_crash_loop_restart_an_eviction_and_a_wake_as_spans():
     assert evict.attributes["servectl.end_state"] == "released"
     assert failed.attributes["servectl.end_state"] == "failed"
     assert not g.open
+
+
+def test_force_flush_waits_for_the_batch_being_exported():
+    """A flush (the engine's, before it dies of SIGTERM) returns once what was taken off the queue
+    is out too, not only once the queue is empty."""
+    gate, exporting = threading.Event(), threading.Event()
+
+    class Slow(Exporter):
+        def export(self, batch):
+            exporting.set()
+            gate.wait(10)
+            super().export(batch)
+
+    exporter = Slow()
+    p = QuietBatchProcessor(exporter, delay_s=0)
+    provider_with(p).get_tracer("t").start_span("a").end()
+    assert exporting.wait(5) and not p.queue  # taken off the queue, being exported
+    assert not p.force_flush(300)  # not out yet: the flush says so at its timeout
+    threading.Timer(0.2, gate.set).start()
+    assert p.force_flush(5000) and exporter.batches == [["a"]]
+    p.shutdown()

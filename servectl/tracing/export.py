@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 
 log = logging.getLogger("servectl.tracing")
 DEFAULT_DELAY_MS = 1000
+SHUTDOWN_WAIT_S = 5.0
 
 
 def _env_ms(name: str, default: float) -> float:
@@ -52,6 +53,7 @@ class QuietBatchProcessor(SpanProcessor):
         self.queue: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.flushing = 0  # force_flush calls waiting for the queue to be exported
+        self.exporting = 0  # batches taken off the queue and not yet exported
         self.exported_batches = 0
         self.dropped = 0
         self.closed = False
@@ -84,7 +86,8 @@ class QuietBatchProcessor(SpanProcessor):
                 return
             self.closed = True
             self.cond.notify_all()
-        self.thread.join(timeout=_env_ms("OTEL_BSP_EXPORT_TIMEOUT", 30000))
+        # Bounded: a collector that is down must not hold a process's exit (its spans are lost).
+        self.thread.join(timeout=min(SHUTDOWN_WAIT_S, _env_ms("OTEL_BSP_EXPORT_TIMEOUT", 30000)))
         try:
             self.exporter.shutdown()
         except Exception:  # noqa: BLE001 - the spans are lost, the exit goes on
@@ -97,7 +100,7 @@ class QuietBatchProcessor(SpanProcessor):
             self.flushing += 1
             self.cond.notify_all()
             try:
-                while self.queue and not self.closed:
+                while (self.queue or self.exporting) and not self.closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
@@ -118,10 +121,12 @@ class QuietBatchProcessor(SpanProcessor):
                     self.cond.wait_for(lambda: len(self.queue) >= self.max_batch or self.closed
                                        or self.flushing > 0, timeout=self.delay_s)
                 batch = [self.queue.popleft() for _ in range(min(self.max_batch, len(self.queue)))]
+                self.exporting += 1
                 closed = self.closed
             if batch:
                 self._export(batch)
             with self.cond:
+                self.exporting -= 1
                 if not self.queue:
                     self.cond.notify_all()  # force_flush's waiters
                 if closed and not self.queue:
