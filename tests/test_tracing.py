@@ -4,12 +4,12 @@ process that decodes the real protocol (tests/otlp_receiver.py).
 One daemon with the OpenTelemetry SDK's environment pointing at the receiver (and JSON logs, whose
 access line carries the trace): a completion that continues a client's ``traceparent``, a streamed
 chat through the `openai` SDK, an embeddings request (vLLM's span per input), a request held while
-its released model starts again, and a stream
-across a worker SIGKILL each give one trace: the gateway's server span, its admission, hold and
-``servectl.engine`` children, the engine's queue / prefill / decode spans and vLLM's own
-``llm_request`` under the engine span, each process under its own resource; the crash and the
-resume as events with a link to the new engine's start span; a replica's crash and the failover
-to the other replica likewise. The manager's restart, release and wake are spans of their own. With tracing on and no traffic the tree still sleeps.
+its released model starts again, and a stream across a worker SIGKILL each give one trace: the
+gateway's server span, its admission, hold and ``servectl.engine`` children, the engine's queue /
+prefill / decode spans and vLLM's own ``llm_request`` under the engine span, each process under its
+own resource; the crash and the resume as events with a link to the new engine's start span; a
+replica's crash and the failover to the other replica likewise. The manager's restart, release
+and wake are spans of their own. With tracing on and no traffic the tree still sleeps.
 """
 
 from __future__ import annotations
