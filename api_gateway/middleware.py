@@ -25,6 +25,7 @@ from api_gateway.keys import Access, KeyRing, bearer_token
 from api_gateway.logfields import escape
 from api_gateway.metrics import Metrics
 from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, anthropic_error_body
+from servectl.tracing.w3c import log_ids, traceparent
 
 log = logging.getLogger("api_gateway")
 access_log = logging.getLogger("api_gateway.access")
@@ -118,7 +119,7 @@ class Middleware:
                   "duration_ms": round(ms, 1)}
         span = request.get("span")
         if span is not None:
-            fields.update(T.ids(span))
+            fields.update(log_ids(span))
             T.end_server_span(span, status, info)
         access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
                         escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
@@ -156,5 +157,5 @@ class Middleware:
     @staticmethod
     def add_traceresponse(request: web.Request, response: web.StreamResponse) -> None:
         span = request.get("span")
-        if span is not None:  # tracing on: the client learns its request's trace
-            response.headers["traceresponse"] = T.traceresponse(span)
+        if span is not None:  # tracing on: the client learns its request's trace (W3C Trace Context 2)
+            response.headers["traceresponse"] = traceparent(span)

@@ -66,17 +66,6 @@ def end_server_span(span: Any, status: int, info: dict) -> None:
     span.end()
 
 
-def traceresponse(span: Any) -> str:
-    """The ``traceresponse`` header (W3C Trace Context Level 2): the trace a client's request got."""
-    return traceparent(span)
-
-
-def ids(span: Any) -> dict:
-    """The log fields that tie a log line to its trace."""
-    ctx = span.get_span_context()
-    return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"} if ctx.is_valid else {}
-
-
 def span(name: str, **attributes: Any):
     """A child of the current span, made current (nothing without tracing)."""
     if tracer is None:

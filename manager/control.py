@@ -26,15 +26,15 @@ import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from manager.audit import (CHANGING, READ_ONLY, UNKNOWN, AuditLog, Peer, RefusalLimiter, audit_record,
-                           parse_peer_address)
+from manager.audit import CHANGING, UNKNOWN, AuditLog, Peer, RefusalLimiter, audit_record
 from manager.children import Child
+from manager.control_access import FROM_CHILDREN, MAX_MESSAGE_BYTES, Caller, peer_of, refusal
 from manager.gateways import GatewayPool
 from manager.group import EngineGroup
 from manager.served import ServedModels
@@ -45,34 +45,6 @@ from servectl.wire import control as P
 from servectl.wire.spawn import ENGINE, GATEWAY, engine_identity, parse_component
 
 log = logging.getLogger("manager")
-
-
-# Messages only the manager's own children send: accepted only from the very process
-# (by the kernel's pid of the connection) that may send each.
-# A gateway's LogTail is the status page's (api_gateway/ui.py): logs can hold request text.
-FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused, P.LogTail)
-FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged,
-                P.LoraDone)
-FROM_CHILDREN = (*FROM_GATEWAYS, *FROM_ENGINES, P.ChildReady)
-# Nothing a peer sends the manager is near this big (a LoadModel is a few KiB): a larger
-# message closes that peer's connection before the manager holds it.
-MAX_MESSAGE_BYTES = 1 << 20
-
-
-class Caller(NamedTuple):
-    """Where a request came from: the socket to answer on, the peer's identity there, who it is."""
-
-    sock: zmq.asyncio.Socket
-    ident: bytes
-    peer: Peer
-    via: str  # "control" or "control-ro"
-
-
-def peer_of(frame: zmq.Frame) -> Peer:
-    try:
-        return parse_peer_address(frame.get("Peer-Address"))
-    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-        return UNKNOWN
 
 
 class ControlHost(Protocol):
@@ -195,39 +167,8 @@ class ControlServer:
         self.audit.write(record)
 
     def refusal(self, caller: Caller, msg) -> str | None:
-        """Why this caller may not send this message, or None."""
-        if caller.via == "control-ro":
-            if isinstance(msg, READ_ONLY):
-                return None
-            return (f"permission denied: {type(msg).__name__} changes the daemon; only its owner "
-                    f"(uid {os.geteuid()}) or root may send it (on the control socket)")
-        if caller.peer.uid is not None and caller.peer.uid not in self.owners:
-            return f"permission denied: uid {caller.peer.uid} is not the daemon's owner (uid {os.geteuid()}) or root"
-        if isinstance(msg, FROM_CHILDREN) and not self.sent_by_its_child(msg, caller.peer.pid):
-            return (f"permission denied: {type(msg).__name__} is accepted only from the child process "
-                    f"that may send it, and pid {caller.peer.pid} is not that child")
-        return None
-
-    def sent_by_its_child(self, msg, pid: int | None) -> bool:
-        """Whether ``pid`` (the kernel's, SO_PEERCRED) is the child this message may come from:
-        a gateway for a gateway's report, that model's engine for an engine's, the component
-        named for a readiness. Any other process of the owner's uid could otherwise fake a hang
-        (the engine killed) or a readiness."""
-        if pid is None:
-            return False
-        m = self.host
-        if isinstance(msg, FROM_GATEWAYS):
-            return pid in m.gateways.pids()
-        if isinstance(msg, P.ChildReady):
-            if msg.pid != pid:
-                return False
-            name = parse_component(msg.component)
-            if name is not None and name.kind == GATEWAY:
-                return pid in m.gateways.pids()
-            group = m.groups.get(name.model) if name is not None and name.kind == ENGINE else None
-            return group is not None and group.engine.pid == pid
-        group = m.groups.get(msg.model)
-        return group is not None and group.engine.pid == pid
+        """Why this caller may not send this message, or None (manager/control_access.py)."""
+        return refusal(caller, msg, self.owners, self.host)
 
     def loops(self) -> list[tuple[str, Callable[[], Coroutine]]]:
         """The two receive loops, (name, coroutine factory): the Manager runs each under its

@@ -85,9 +85,6 @@ class GatewayPool:
     def children(self) -> list[Child]:
         return [gw.child for gw in self.members]
 
-    def pids(self) -> set[int]:
-        return {gw.child.popen.pid for gw in self.members if gw.child.popen}
-
     def settled(self) -> bool:
         return all(gw.child.state in (ChildState.READY, ChildState.FAILED) for gw in self.members)
 

@@ -12,7 +12,7 @@ sending to its engine, waiting for exits, and the standby pool. Its members'
 launch is manager/launch.py's, its LoRA calls in flight manager/lora_calls.py's;
 what its engine says once it serves, its release and its wake are
 manager/group_release.py's (``ReleaseAndWake``, mixed in: the same object, the
-same one setter).
+same one setter); its transition table manager/group_states.py's.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from manager.budget import Budget
 from manager.children import Child, ChildState, RestartPolicy
 from manager.cluster import ClusterHead
 from manager.group_release import ReleaseAndWake
+from manager.group_states import MEMBER_STATE, TRANSITIONS, BadTransition, GroupState
 from manager.launch import launch, member_envs
 from manager.lora_calls import LoraCalls
 from manager.standbys import StandbyPool
@@ -39,47 +40,13 @@ from servectl import config as C
 from servectl.memory import has_accelerator
 from servectl.tasks import Tasks
 from servectl.wire import control as P
-from servectl.wire.vocab import IDLE_RELEASED, ExitCode, ModelState
+from servectl.wire.vocab import IDLE_RELEASED, ExitCode
 from servectl.wire.spawn import ENGINE, WORKER, engine_component, group_name, log_file_name, worker_component
 
 log = logging.getLogger("manager")
 
 
-# The model's state is the group's: the wire's one spelling of it.
-GroupState = ModelState
-
-
 S = GroupState
-TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
-    S.STOPPED: frozenset({S.STARTING, S.RELEASED, S.REMOVED}),  # → released: autostart = false
-    S.STARTING: frozenset({S.READY, S.EXITED, S.STOPPING}),
-    S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED, S.RELEASING}),
-    S.DRAINING: frozenset({S.STOPPING, S.EXITED}),
-    # → ready: the engine refused (busy); → stopping: it agreed to unload; → asleep: it slept.
-    S.RELEASING: frozenset({S.READY, S.STOPPING, S.ASLEEP, S.EXITED}),
-    S.STOPPING: frozenset({S.STOPPED, S.RELEASED}),  # → released: the stop of an unload
-    S.RELEASED: frozenset({S.STARTING, S.STOPPING}),
-    S.ASLEEP: frozenset({S.STARTING, S.STOPPING, S.EXITED}),  # → starting: woken (the same engine)
-    # → released: a member of a releasing or sleeping group died; it comes back released, not awake.
-    S.EXITED: frozenset({S.BACKOFF, S.FAILED, S.STOPPING, S.RELEASED}),
-    # → released: it no longer fits its memory budget (refuse_if_unfit).
-    S.BACKOFF: frozenset({S.STARTING, S.STOPPING, S.RELEASED}),
-    S.FAILED: frozenset({S.STARTING, S.STOPPING, S.RELEASED}),
-    S.REMOVED: frozenset(),
-}
-# What the members' own states become when the group enters a state (None: leave them).
-MEMBER_STATE: dict[GroupState, ChildState | None] = {
-    S.STOPPED: ChildState.STOPPED, S.STARTING: ChildState.STARTING, S.READY: ChildState.READY,
-    S.DRAINING: None, S.STOPPING: ChildState.STOPPING, S.EXITED: None, S.BACKOFF: ChildState.BACKOFF,
-    S.FAILED: ChildState.FAILED, S.REMOVED: None, S.RELEASING: None, S.RELEASED: ChildState.STOPPED,
-    S.ASLEEP: ChildState.ASLEEP,
-}
-# IDLE_RELEASED (wire/vocab.py): where a model serves no request now but one will be served
-# (held, then the model woken): settled for `servectl start`, available for /health.
-
-
-class BadTransition(RuntimeError):
-    pass
 
 
 class GroupHost(Protocol):

@@ -85,9 +85,9 @@ def current_trace() -> dict:
         from opentelemetry import trace
     except ImportError:  # tracing configured without the SDK (servectl.tracing.start said so)
         return {}
+    from servectl.tracing.w3c import log_ids
 
-    ctx = trace.get_current_span().get_span_context()
-    return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"} if ctx.is_valid else {}
+    return log_ids(trace.get_current_span())
 
 
 def is_json_line(line: str) -> bool:

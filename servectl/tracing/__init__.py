@@ -110,15 +110,3 @@ def flush(timeout_s: float) -> None:
             provider.force_flush(int(timeout_s * 1000))
     except Exception:  # noqa: BLE001 - a collector that is gone costs the spans, never the exit
         log.debug("tracing flush", exc_info=True)
-
-
-def shutdown() -> None:
-    """Export what is queued (a process's orderly end; the SDK also does this at exit)."""
-    try:
-        from opentelemetry import trace
-
-        provider = trace.get_tracer_provider()
-        if hasattr(provider, "shutdown"):
-            provider.shutdown()
-    except Exception:  # noqa: BLE001 - a collector that is gone costs the spans, never the exit
-        log.debug("tracing shutdown", exc_info=True)

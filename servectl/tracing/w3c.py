@@ -38,6 +38,12 @@ def traceparent(span: Any) -> str:
     return format_traceparent(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
 
 
+def log_ids(span: Any) -> dict[str, str]:
+    """The log fields that tie a line to a span (JSON logs, the journal): {} for no valid span."""
+    ctx = span.get_span_context()
+    return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"} if ctx.is_valid else {}
+
+
 def context_of(value: str) -> Any:
     """The OpenTelemetry ``SpanContext`` a ``traceparent`` names (remote), or None."""
     parsed = parse_traceparent(value)
