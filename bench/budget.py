@@ -13,7 +13,10 @@ eviction: the start takes their pre-imported interpreters) and without:
 - host memory held by the models before and after the eviction (engine and workers' RSS; the
   standbys' apart) and the footprints the budget counts;
 - context switches per second of the whole tree, idle afterwards (``a`` frozen, ``b`` evicted):
-  an evicted model leaves nothing that wakes.
+  an evicted model leaves nothing that wakes;
+- where the swap's time goes (``PHASES``, from the logs): ``b`` stopped, the role handed over,
+  the role's start (its configuration, what the standby had not imported, the rendezvous),
+  weights, vLLM's profiling pass, the KV cache and the engine ready, the first step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import re
+from datetime import datetime
 
 from bench import run as B
 from bench.idle_release import PROMPT, IdleDaemon
@@ -62,7 +68,9 @@ def one_round(warm: bool, idle_s: float) -> dict:
             d.wait_standbys_warm()  # a's kept from its eviction, b's made once it served
         d.wait(lambda: d.models()["b"]["frozen"], 60, "b idle")
         before = d.held()
+        t0 = time.time()
         asked = d.stream({**PROMPT, "model": "a"})  # the measured eviction: b released, a started
+        swap = phases(d.runtime / "state" / "logs", t0, asked["first_token_s"])
         m = d.models()
         assert m["b"]["state"] == "released" and m["a"]["state"] == "ready", {k: v["state"] for k, v in m.items()}
         after = d.held()
@@ -73,11 +81,46 @@ def one_round(warm: bool, idle_s: float) -> dict:
         cpu0, sw0 = B.tree_counters(pids)
         time.sleep(idle_s)  # the measurement window: the tree is idle, nothing should wake
         cpu1, sw1 = B.tree_counters(pids)
-        return {"first_token_s": round(asked["first_token_s"], 3), "held_before": before, "held_after": after,
+        return {"first_token_s": round(asked["first_token_s"], 3), "phases_s": swap,
+                "held_before": before, "held_after": after,
                 "idle_context_switches_per_s": round((sw1 - sw0) / idle_s, 2),
                 "idle_cpu_ms_per_s": round((cpu1 - cpu0) * 1000 / idle_s, 2)}
     finally:
         d.stop()
+
+
+# Where a swap's time goes: the first line at or after the request that marks each phase's end
+# (log file, pattern), in order. Our own log lines carry milliseconds (vLLM's own only seconds).
+PHASES = [
+    ("evict", "manager.log", r"model b: released"),  # b's engine and worker stopped
+    ("hand_over", "manager.log", r"engine_core:a: (handed to its warm standby|started)"),
+    ("role_start", "worker-a-0.log", r"Starting to load model"),  # its config, the rest of its imports, rendezvous
+    ("weights", "worker-a-0.log", r"Loading weights took"),
+    ("profile", "worker-a-0.log", r"for KV cache on node|KV cache"),  # vLLM's profiling forward pass
+    ("kv_cache_and_ready", "engine_core-a.log", r"engine_core\[a\] INFO ready:"),
+]
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def phases(logs: Path, t0: float, first_token_s: float) -> dict[str, float]:
+    """Seconds spent in each phase of the swap that began at wall-clock ``t0``; the rest up to the
+    first token is ``first_step``. A phase whose mark is missing is left out (its time goes to the next)."""
+    out, last = {}, t0
+    for name, file, pattern in PHASES:
+        try:
+            lines = (logs / file).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = STAMP.match(line)
+            if m is None or not re.search(pattern, line):
+                continue
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at >= last - 0.0005:
+                out[name], last = round(max(at - last, 0.0), 3), at
+                break
+    out["first_step"] = round(t0 + first_token_s - last, 3)
+    return out
 
 
 def summarize(rounds: dict[str, list[dict]]) -> dict:
@@ -89,6 +132,8 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
             "models_rss_after_mib": spread([r["held_after"]["models_rss"] / 2**20 for r in rs], 3),
             "standbys_rss_mib": spread([r["held_after"]["standbys_rss"] / 2**20 for r in rs], 3),
             "idle_context_switches_per_s": spread([r["idle_context_switches_per_s"] for r in rs], 3),
+            "phases_s": {name: spread([r["phases_s"].get(name, 0.0) for r in rs], 3)
+                         for name in [p[0] for p in PHASES] + ["first_step"]},
         }
     return out
 
@@ -103,6 +148,11 @@ def markdown(res: dict) -> str:
         lines.append(f"| {side} | {f['median']} ({f['min']}–{f['max']}) | {s['models_rss_before_mib']['median']:.0f} → "
                      f"{s['models_rss_after_mib']['median']:.0f} | {s['standbys_rss_mib']['median']:.0f} "
                      f"| {s['idle_context_switches_per_s']['median']} |")
+    lines += ["", "Where the time goes (median seconds per phase; from the logs' millisecond stamps):", "",
+              "| standbys | " + " | ".join(name.replace("_", " ") for name in [p[0] for p in PHASES] + ["first_step"])
+              + " |", "|---|" + "---|" * (len(PHASES) + 1)]
+    for side, s in res["summary"].items():
+        lines.append(f"| {side} | " + " | ".join(str(v["median"]) for v in s["phases_s"].values()) + " |")
     return "\n".join(lines) + "\n"
 
 

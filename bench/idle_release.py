@@ -88,12 +88,13 @@ class IdleDaemon:
         return self.wait(lambda: (lambda m: m if m["state"] in states else None)(self.model()), timeout,
                          f"model {MODEL} {'/'.join(states)}")
 
-    def wait_standbys_warm(self, timeout: float = 900) -> None:
-        def warm() -> bool:
+    def wait_standbys_warm(self, timeout: float = 900) -> list[dict]:
+        """Until every standby is warm; those standbys (their status)."""
+        def warm() -> list[dict]:
             standbys = [c for c in self.status()["children"] if c["kind"] == "standby"]
-            return bool(standbys) and all(c["state"] == "ready" for c in standbys)
+            return standbys if standbys and all(c["state"] == "ready" for c in standbys) else []
 
-        self.wait(warm, timeout, "warm standbys", interval=0.5)
+        return self.wait(warm, timeout, "warm standbys", interval=0.5)
 
     def stream(self, body: dict = PROMPT, timeout: float = 900) -> dict:
         """One streaming completion: seconds to the first token and to the end, and the text."""

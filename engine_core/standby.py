@@ -12,6 +12,11 @@ The standby imports, says ``W`` (warm) on its channel and then sleeps in
 ``recvmsg`` until the manager sends a ``Role`` with the role's descriptors
 attached, or closes the channel (then it exits 0). It never touches a device
 before it has a role: on a GPU host it holds no GPU memory.
+
+It imports at the lowest CPU and I/O priority the kernel offers (servectl/priority.py): a
+standby warming beside a serving model takes only cores nothing else wants. The role runs at
+the serving priority again (the manager restores it as it hands the role over; the standby
+once more before it runs the role, for a thread born meanwhile).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 
 import msgspec
 
+from servectl import priority
 from servectl.wire.spawn import Role, model_of, parse_component, resolve_fd_args
 from servectl.proc import die_with_parent, setup_child_logging
 
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--component", default="standby", help="its name in status (standby:<member>), for its log")
     args = ap.parse_args(argv)
     die_with_parent()
+    # Before any other thread exists: the import's threads (torch's, OpenMP's) inherit it.
+    serving, _lowered = priority.lower()
     # The format (text or JSON) is in the member's environment it was exec'd with; the role's
     # main sets logging up again under the role's own name (setup_child_logging's force).
     parsed = parse_component(args.component)
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if got is None:
         return 0
     role, fds = got
+    priority.restore(serving)  # (the manager did as it sent the role; a thread born since too)
     role_argv = resolve_fd_args(role.argv, fds)
     sys.argv = [f"python -m {role.module}", *role_argv]
     if role.module == "engine_core":

@@ -101,7 +101,9 @@ class Rollout:
             log.info("reload: %s restarted with its new configuration (not rolled: %s)", was.name, why)
             await m.restart_group(was, cfg)
             return RESTARTED
-        log.info("reload: starting %s beside %s (the new configuration of model %s)", new.name, was.name, cfg.name)
+        passed = m.host.standbys.pass_on(was, new)  # warm interpreters: the new group skips the imports
+        log.info("reload: starting %s beside %s (the new configuration of model %s; %d warm standbys passed on)",
+                 new.name, was.name, cfg.name, passed)
         m.groups[new.name] = new
         new.start()  # (the old one serves: started whatever its autostart says)
         limit = m.hold_s(cfg)
@@ -111,6 +113,7 @@ class Rollout:
             log.error("reload: %s did not start (%s); %s keeps serving the old configuration", new.name, reason,
                       was.name)
             await m.remove_group(new)
+            m.host.standbys.refill(was)  # (its standbys went to the new group)
             return f"{KEPT}: the new configuration did not start ({reason})"
         await m.remove_group(was)  # drained: its requests finish there, new ones go to the new group
         return ROLLED

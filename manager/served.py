@@ -111,9 +111,10 @@ class ServedModels:
 
     async def restart_group(self, old: EngineGroup, model: C.ModelConfig) -> None:
         """A replica's changed configuration where no new group fits beside it: drain and stop it,
-        start it again (cold: new interpreters) under its name, its requests held meanwhile."""
+        start it again under its name, its requests held meanwhile: on its warm standbys where their
+        environments still match (a standby is a warm interpreter; ``take`` checks)."""
         await old.drain(self.settings.drain_timeout_s)
-        await old.stop(self.settings.stop_grace_s)
+        await old.stop(self.settings.stop_grace_s, keep_standbys=True)
         self.host.standbys.forget_model(old.name)
         group = self.groups[old.name] = self.new_group(model, old.replica, old.name)
         self.start_group(group)

@@ -7,6 +7,11 @@ and ``hand_over``s the role (descriptors attached); the member ``adopt``s the
 process. A standby made for another environment, or of a model being
 unloaded, is released. One that dies is replaced after the restart policy's
 backoff, never while its group is starting.
+
+Standbys import at the lowest CPU and I/O priority (servectl/priority.py); ``hand_over``
+gives every thread the manager's own priority back before the role is sent. A roll passes
+the replaced group's standbys on to its successor (``pass_on``): a standby is a warm
+interpreter, and the new group's members take them where their environments match.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import msgspec
 
 from manager.children import Child, ChildState, RestartPolicy, Standby
 from servectl import config as C
+from servectl import priority
 from servectl.wire.spawn import Role, log_file_name, standby_component
 from servectl.wire.vocab import ModelState
 
@@ -58,6 +64,11 @@ class StandbyPool:
         self.released: set[Standby] = set()  # told to go, not yet reaped
         self.timers: dict[str, asyncio.TimerHandle] = {}  # model -> pending refill
         self.policies: dict[str, RestartPolicy] = {}  # model -> standby deaths
+        self.serving = priority.of()  # what a standby taking a role gets back: the manager's own
+        if host.settings.warm_standby and not priority.may_raise_to(self.serving.nice):
+            log.warning("standbys import at normal CPU priority (idle I/O only): leaving SCHED_IDLE needs "
+                        "CAP_SYS_NICE or RLIMIT_NICE >= %d (systemd: LimitNICE=%+d)",
+                        20 - self.serving.nice, self.serving.nice)
 
     # ---- queries -----------------------------------------------------------------
     def of_model(self, model: str) -> list[Standby]:
@@ -120,6 +131,8 @@ class StandbyPool:
 
     def hand_over(self, standby: Standby, member: Child, role: Role, fds: list[int]) -> bool:
         """Make a taken standby the member: send it the role, then watch it as the member."""
+        if standby.alive and (failed := priority.restore(self.serving, standby.pid)):
+            log.warning("%s: %d threads of its standby kept their standby priority", member.component, failed)
         sent = standby.alive and standby.send_role(msgspec.json.encode(role), fds)
         self._hang_up(standby)
         if not sent:
@@ -132,6 +145,25 @@ class StandbyPool:
         self.host.watch(member)
         log.info("%s: handed to its warm standby (pid %d)", member.component, member.pid)
         return True
+
+    def pass_on(self, old: Staffed, new: Staffed) -> int:
+        """A roll: the standbys of the group being replaced become its successor's, member by member
+        (engine to engine, rank to rank); ``take`` still checks each one's environment. Returns how
+        many passed. The old group serves on without standbys: it is drained once the new one is
+        ready (if the new one fails, ``refill`` gives the old its own again)."""
+        passed = 0
+        for was, successor in [(old.engine, new.engine), *zip(old.workers, new.workers)]:
+            standby = self.waiting.pop(was.component, None)
+            if standby is None:
+                continue
+            if successor.component in self.waiting:  # (a new group has none; never two for one member)
+                self._release(standby)
+                continue
+            standby.member, standby.model = successor.component, successor.model
+            standby.component = standby_component(successor.component)
+            self.waiting[successor.component] = standby
+            passed += 1
+        return passed
 
     # ---- letting go ---------------------------------------------------------------------
     def release_model(self, model: str) -> list[Child]:

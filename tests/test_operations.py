@@ -177,6 +177,7 @@ def test_several_models_load_unload_reload(tmp_path, daemon_factory):
     changed = "[[models]]\n" + MODEL.format(name="one") + "[models.engine_args]\nmax_num_seqs = 8\n"
     three = "[[models]]\n" + MODEL.format(name="three")
     d.config_path.write_text("[gateway]\nprocesses = 2\n" + changed + three)
+    warm = d.wait_standbys_warm(4)  # one's and two's
     proc = d.cli("reload")
     assert proc.returncode == 0, proc.stderr
     # `servectl reload` answers once the reload is applied: two is gone, one
@@ -198,6 +199,9 @@ def test_several_models_load_unload_reload(tmp_path, daemon_factory):
              == {"gateway:0": "ready", "gateway:1": "ready"},
              300, interval=1, what="the reloaded models and gateways ready")
     assert applied["engine_core:one@1"] == d.child("engine_core:one@1").pid  # started once, by the reload
+    # ... on one's warm standbys (issue 57: a roll imports nothing; the environment is the same)
+    assert (applied["engine_core:one@1"], applied["worker:one@1:0"]) == \
+        (warm["engine_core:one"].pid, warm["worker:one:0"].pid)
     assert api.completions.create(model="three", prompt="x", max_tokens=2).choices
     # The start option (--api-key-file) is still in force after the reload.
     assert status_of(d, "/v1/models", None) == 401

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import ROOT, Daemon, DaemonFactory, EventStream, Response, http, json_lines, wait_for
 from servectl.config import DEFAULT_MODEL_DIR
+from servectl.priority import IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT, ioprio_of
 
 CONFIG = f"""
 [gateway]
@@ -98,6 +99,21 @@ def pids(d: Daemon) -> dict[str, int]:
     return {c.component: c.pid for c in d.status().children}
 
 
+def priorities(pid: int) -> set[tuple[int, int, int]]:
+    """(scheduling policy, nice, I/O class) of each thread of a process (/proc's stat, ioprio_get)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            rest = open(f"/proc/{pid}/task/{tid}/stat").read().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        out.add((int(rest[38]), int(rest[16]), ioprio_of(int(tid)) >> IOPRIO_CLASS_SHIFT))  # fields 41 and 19
+    return out
+
+
+WARMING = {(os.SCHED_IDLE, 0, IOPRIO_CLASS_IDLE)}  # issue 57: a standby takes only cores nobody wants
+
+
 def model_state(d: Daemon, name: str) -> str:
     return next(m.state for m in d.status().models if m.name == name)
 
@@ -147,6 +163,8 @@ def test_restart_clears_failed(sup):
 
 def test_worker_sigkill_restarts_the_group_only(sup):
     warm = sup.wait_standbys_warm(4)  # a and b: an engine and a worker each
+    for standby in warm.values():
+        assert priorities(standby.pid) == WARMING, standby
     before = pids(sup)
     restarts = {c.component: c.restarts for c in sup.status().children}
     client = sup.openai(timeout=300)
@@ -173,6 +191,10 @@ def test_worker_sigkill_restarts_the_group_only(sup):
     assert after["engine_core:a"] == warm["engine_core:a"].pid
     assert after["worker:a:0"] == warm["worker:a:0"].pid
     assert "handed to its warm standby" in sup.log("manager")
+    serving = priorities(sup.manager_pid)
+    assert len(serving) == 1 and serving != WARMING
+    for member in ("engine_core:a", "worker:a:0"):  # every thread (torch's and OpenMP's too) serves at the manager's
+        assert priorities(after[member]) == serving, member
     # ... and new ones stand by once a serves again; b's are untouched.
     again = sup.wait_standbys_warm(4)
     assert again["engine_core:a"].pid != after["engine_core:a"]  # a fresh standby, not the one now serving
@@ -190,13 +212,20 @@ def test_a_second_crash_takes_the_standbys_while_they_still_import(sup):
         return fresh if len(fresh) == 2 else None
 
     fresh = wait_for(back_with_fresh_standbys, 180, interval=0.1, what="a ready with new standbys")
-    assert all(c.state == "starting" for c in fresh.values()), fresh  # still importing vLLM
+    # (lowered as its main begins, a few milliseconds after the exec)
+    wait_for(lambda: all(priorities(c.pid) == WARMING for c in fresh.values()), 10, interval=0.01,
+             what="the new standbys at idle priority")
+    now = sup.standbys()
+    assert all(now[k].pid == c.pid and now[k].state == "starting" for k, c in fresh.items()), now  # importing
     os.kill(sup.child("worker:a:0").pid, signal.SIGKILL)
     # The role waits in the socket until the import is done; nothing crashes on the way.
     wait_for(lambda: model_state(sup, "a") == "ready" and sup.child("engine_core:a").pid == fresh["engine_core:a"].pid,
              180, interval=0.5, what="a back on the standbys that were still importing",
              diagnose=lambda: sup.log_tails("manager", "engine_core:a", "worker:a:0"))
     assert sup.child("worker:a:0").pid == fresh["worker:a:0"].pid
+    # Taken while importing: it finished the import at serving priority, threads born since included.
+    for c in fresh.values():
+        assert priorities(c.pid) == priorities(sup.manager_pid), c
     r = sup.openai().completions.create(model="a", prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
 
