@@ -7,6 +7,7 @@
     python -m bench.rounds --pool bench/results/A.json bench/results/B.json   # all their rounds' medians
     python -m bench.rounds --base-commit ae4a39d --rounds 3   # another commit's servectl against this tree's
     python -m bench.rounds --ceiling --concurrency 1,16   # and vLLM's in-process LLM after each round (bench.ceiling)
+    python -m bench.rounds --early --concurrency 1,16   # also from the first completion on (standbys importing)
 
 With ``--base-commit`` side A is servectl as that commit has it, checked out by
 ``git worktree add`` into a temporary directory and run from there (its CLI's
@@ -92,13 +93,20 @@ def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path)
         cold = wait_completion(server.base, server.proc if isinstance(server, VllmServe) else None, 900)
         if cold is None:
             return {"error": "did not start"}
-        if isinstance(server, Servectl) and server.warm_standby:
-            server.wait_warm()  # the standbys' import is not part of the load
-        vllm_bench(server.base, 4, 16, p.input_len, p.output_len, work)  # warm-up, not counted
         out: dict = {"stream": {}}
+        if p.early:  # from the first completion on: no warm-up, the standbys still importing
+            for c in concurrency:
+                before = step_totals(server.base)
+                r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work, p.dataset)
+                r.update(step_figures(before, step_totals(server.base), r.get("duration")))
+                out["stream"][f"{c} early"] = {k: r.get(k) for k in FIGURES}
+        if isinstance(server, Servectl) and server.warm_standby:
+            # the standbys' import is not part of the settled load (after --early: how long it still ran)
+            out["standbys_warm_after_s"] = server.wait_warm()
+        vllm_bench(server.base, 4, 16, p.input_len, p.output_len, work)  # warm-up, not counted
         for c in concurrency:
             before = step_totals(server.base)
-            r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work)
+            r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work, p.dataset)
             r.update(step_figures(before, step_totals(server.base), r.get("duration")))
             out["stream"][str(c)] = {k: r.get(k) for k in FIGURES}
         if p.non_stream_requests > 0:  # 0: streaming cells only
@@ -107,6 +115,25 @@ def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path)
         return out
     finally:
         server.stop()
+
+
+def repeat_dataset(path: Path, count: int = 256, lines: int = 8) -> Path:
+    """Prompts that contain the text to be repeated (speculative decoding by n-grams has something
+    to find): a chunk of this project's code twice, then its first two lines again. JSONL."""
+    text = [ln for f in sorted((ROOT / "servectl").rglob("*.py")) for ln in f.read_text().splitlines()
+            if ln.strip()]
+    chunks = ["\n".join(text[i:i + lines]) for i in range(0, len(text) - lines, lines)]
+    chunks = [c for c in chunks if len(c) <= 360]  # the prompt stays well inside max_model_len
+    with path.open("w") as out:
+        for i in range(count):
+            chunk = chunks[i % len(chunks)]
+            out.write(json.dumps({"prompt": f"{chunk}\n\n{chunk}\n\n" + "\n".join(chunk.splitlines()[:2])}) + "\n")
+    return path
+
+
+def toml_inline(value: dict) -> str:
+    """A flat JSON object as a TOML inline table (an engine argument's value)."""
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + " }"
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -291,6 +318,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--name-a", help="side A's label (--only; default 'servectl A')")
     ap.add_argument("--name-b", help="side B's label (--only; default 'servectl B')")
     ap.add_argument("--no-standby", action="store_true", help="servectl without warm standbys")
+    ap.add_argument("--speculative-config", metavar="JSON",
+                    help='both servers: vLLM\'s speculative_config, e.g. \'{"method": "ngram", '
+                         '"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\'')
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="streaming cells on prompts that contain the text to be repeated (repeat_dataset)")
+    ap.add_argument("--early", action="store_true",
+                    help="first the streaming cells from the first completion on (no warm-up, standbys "
+                         "still importing: 'c=N early'), then the settled cells as usual")
     ap.add_argument("--ceiling", action="store_true",
                     help="after each round, the same streaming cells through vLLM's in-process LLM (bench.ceiling)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
@@ -347,12 +382,15 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
     work = Path(tempfile.mkdtemp(prefix="servectl-rounds-"))
     standby = not p.no_standby
     a, b = (side.name for side in sides)
+    p.dataset = repeat_dataset(work / "repeat.jsonl") if getattr(p, "repeat_prompts", False) else None
+    spec = json.loads(p.speculative_config) if getattr(p, "speculative_config", None) else None
 
     def make(side: Side):
         if side.kind == "vllm":
-            return VllmServe(work)
+            return VllmServe(work, flags=("--speculative-config", json.dumps(spec)) if spec else ())
+        engine_args = {**side.engine_args, **({"speculative_config": toml_inline(spec)} if spec else {})}
         return Servectl(work, env=side.env, label=label(side.name), warm_standby=standby,
-                        engine_args=side.engine_args, code=side.code, start_env=side.start_env)
+                        engine_args=engine_args, code=side.code, start_env=side.start_env)
 
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rounds": p.rounds,
                  "params": {"concurrency": concurrency, "prompts": p.prompts, "input_len": p.input_len,
@@ -360,6 +398,8 @@ def run_rounds(p: argparse.Namespace, sides: tuple[Side, Side], concurrency: lis
                             "env_a": p.env_a, "env_b": p.env_b, "engine_args_a": p.engine_arg_a,
                             "engine_args_b": p.engine_arg_b, "start_env_a": p.start_env_a,
                             "start_env_b": p.start_env_b, "warm_standby": standby,
+                            "speculative_config": spec, "repeat_prompts": p.dataset is not None,
+                            "early": getattr(p, "early", False),
                             "base_commit": sides[0].commit, "sides": [a, b]},
                  "raw": {a: [], b: []}}
     if p.ceiling:

@@ -289,17 +289,22 @@ class Servectl(Server):
 
 
 def vllm_bench(base_url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int,
-               result_dir: Path) -> dict:
-    """vLLM's own serving benchmark: the primary numbers (a generator nobody here wrote)."""
+               result_dir: Path, dataset: Path | None = None) -> dict:
+    """vLLM's own serving benchmark: the primary numbers (a generator nobody here wrote). Random
+    prompts of ``input_len`` tokens, or ``dataset``'s (a JSONL of ``{"prompt": ...}``, vLLM's custom
+    dataset, taken in order)."""
     from vllm.benchmarks import serve as vb
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     vb.add_cli_args(parser)
+    prompts = (["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+                str(output_len)] if dataset is None else
+               ["--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(output_len),
+                "--skip-chat-template", "--disable-shuffle"])
     args = parser.parse_args([
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "default",
-        "--tokenizer", str(DEFAULT_MODEL_DIR), "--dataset-name", "random", "--random-input-len", str(input_len),
-        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
+        "--tokenizer", str(DEFAULT_MODEL_DIR), *prompts, "--num-prompts", str(num_prompts), "--max-concurrency",
         str(concurrency), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--seed", "0", "--ready-check-timeout-sec", "0",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", f"vb-{concurrency}.json",

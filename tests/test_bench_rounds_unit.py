@@ -125,3 +125,24 @@ def test_the_worktree_holds_the_commit_and_goes_away(tmp_path):
         assert str(path) in g("worktree", "list")
     assert not path.exists() and str(path) not in g("worktree", "list")
     assert (repo / "f.txt").read_text() == "edited\n"  # this tree untouched
+
+
+def test_repeat_prompts_hold_their_text_twice_and_start_it_a_third_time(tmp_path):
+    from bench.rounds import repeat_dataset
+
+    lines = [json.loads(ln)["prompt"] for ln in repeat_dataset(tmp_path / "r.jsonl", count=40).read_text().splitlines()]
+    assert len(lines) == 40 and len(set(lines)) == 40
+    for prompt in lines:
+        chunk, again, start = prompt.split("\n\n")
+        assert chunk == again and chunk.startswith(start) and len(chunk) <= 360
+
+
+def test_a_speculative_config_reaches_both_servers_as_they_spell_it():
+    from bench.rounds import toml_inline
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    import tomllib
+
+    assert tomllib.loads(f"x = {toml_inline(spec)}")["x"] == spec
+    p = parser().parse_args(["--speculative-config", json.dumps(spec), "--repeat-prompts", "--early"])
+    assert json.loads(p.speculative_config) == spec and p.repeat_prompts and p.early
