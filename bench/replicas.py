@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for replicas in (2, 1):
         mine = [r for r in rounds if r.get("replicas") == replicas]
+        if not mine:
+            continue  # --reload-only
         summary[f"replicas={replicas}"] = {
             "next_token_after_kill_s": spread([r["next_token_after_kill_s"] for r in mine]),
             "serving_again_s": spread([r["serving_again_s"] for r in mine]),

@@ -291,25 +291,38 @@ class Servectl(Server):
 def vllm_bench(base_url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int,
                result_dir: Path, dataset: Path | None = None) -> dict:
     """vLLM's own serving benchmark: the primary numbers (a generator nobody here wrote). Random
-    prompts of ``input_len`` tokens, or ``dataset``'s (a JSONL of ``{"prompt": ...}``, vLLM's custom
-    dataset, taken in order)."""
+    prompts of ``input_len`` tokens, or ``dataset``'s (a JSONL of ``{"prompt": ...}`` as vLLM's custom
+    dataset has it, taken in order)."""
     from vllm.benchmarks import serve as vb
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     vb.add_cli_args(parser)
-    prompts = (["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
-                str(output_len)] if dataset is None else
-               ["--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", str(output_len),
-                "--skip-chat-template", "--disable-shuffle"])
     args = parser.parse_args([
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "default",
-        "--tokenizer", str(DEFAULT_MODEL_DIR), *prompts, "--num-prompts", str(num_prompts), "--max-concurrency",
+        "--tokenizer", str(DEFAULT_MODEL_DIR), "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
         str(concurrency), "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--seed", "0", "--ready-check-timeout-sec", "0",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", f"vb-{concurrency}.json",
     ])
-    vb.main(args)
+    if dataset is None:
+        vb.main(args)
+    else:  # vLLM's custom dataset reads JSONL with pandas, which nothing else here needs: the same samples
+        from vllm.benchmarks.datasets import SampleRequest
+
+        rows = [json.loads(line)["prompt"] for line in dataset.read_text().splitlines()]
+
+        def samples(a, tokenizer):
+            return [SampleRequest(prompt=text, prompt_len=len(tokenizer(text).input_ids), expected_output_len=output_len,
+                                  request_id=f"{a.request_id_prefix}{i}")
+                    for i, text in enumerate((rows * (num_prompts // len(rows) + 1))[:num_prompts])]
+
+        saved, vb.get_samples = vb.get_samples, samples
+        try:
+            vb.main(args)
+        finally:
+            vb.get_samples = saved
     data = json.loads((result_dir / f"vb-{concurrency}.json").read_text())
     return {k: data.get(k) for k in ("completed", "output_throughput", "request_throughput", "median_ttft_ms",
                                       "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "duration")}

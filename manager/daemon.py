@@ -193,6 +193,9 @@ class Manager:
         notify(f"STATUS=model {group.name}: {group.state}")
         self.served.changed(group)
         self.budget.changed(group)
+        # Standbys import only while no model serves; a model that never freezes cannot say it is idle.
+        self.standbys.pace(any(g.state is GroupState.READY and g.freezing and not g.frozen
+                               for g in self.groups.values()))
         self.check_settled()
 
     def on_step_deadline(self, group: EngineGroup) -> None:

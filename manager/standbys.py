@@ -8,8 +8,11 @@ process. A standby made for another environment, or of a model being
 unloaded, is released. One that dies is replaced after the restart policy's
 backoff, never while its group is starting.
 
-Standbys import at the lowest CPU and I/O priority (servectl/priority.py); ``hand_over``
-gives every thread the manager's own priority back before the role is sent. A roll passes
+Standbys import at the lowest CPU and I/O priority (servectl/priority.py), and only while no
+model serves (``pace``: a warming standby is stopped while any group that freezes is busy, and
+goes on once every one is idle, frozen: even at SCHED_IDLE an import beside a serving model slowed
+it ~15 % on 2 cores). ``hand_over`` continues the standby and gives every thread the manager's own
+priority back before the role is sent. A roll passes
 the replaced group's standbys on to its successor (``pass_on``): a standby is a warm
 interpreter, and the new group's members take them where their environments match.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from pathlib import Path
 from typing import Protocol
 
@@ -64,6 +68,8 @@ class StandbyPool:
         self.released: set[Standby] = set()  # told to go, not yet reaped
         self.timers: dict[str, asyncio.TimerHandle] = {}  # model -> pending refill
         self.policies: dict[str, RestartPolicy] = {}  # model -> standby deaths
+        self.paused: set[Standby] = set()  # stopped mid-import while a model serves
+        self.busy = False  # some model serves (pace)
         self.serving = priority.of()  # what a standby taking a role gets back: the manager's own
         if host.settings.warm_standby and not priority.may_raise_to(self.serving.nice):
             log.warning("standbys import at normal CPU priority (idle I/O only): leaving SCHED_IDLE needs "
@@ -97,7 +103,31 @@ class StandbyPool:
             standby.spawn_standby(env)
             self.waiting[member.component] = standby
             self.host.watch(standby)
+            if self.busy:
+                self._pause(standby)  # (exec'd as its group became ready: it imports once all are idle)
             asyncio.get_running_loop().add_reader(standby.channel.fileno(), self._on_says, standby)
+
+    def pace(self, busy: bool) -> None:
+        """Some model serves (busy) or every one is idle: warming standbys wait, or go on."""
+        if busy == self.busy:
+            return
+        self.busy = busy
+        if busy:
+            for standby in self.waiting.values():
+                self._pause(standby)
+        else:
+            for standby in list(self.paused):
+                self._go_on(standby)
+
+    def _pause(self, standby: Standby) -> None:
+        if standby.alive and standby.state is ChildState.STARTING and standby not in self.paused:
+            standby.signal(signal.SIGSTOP)
+            self.paused.add(standby)
+
+    def _go_on(self, standby: Standby) -> None:
+        if standby in self.paused:
+            self.paused.discard(standby)
+            standby.signal(signal.SIGCONT)
 
     def _on_says(self, standby: Standby) -> None:
         try:
@@ -131,6 +161,7 @@ class StandbyPool:
 
     def hand_over(self, standby: Standby, member: Child, role: Role, fds: list[int]) -> bool:
         """Make a taken standby the member: send it the role, then watch it as the member."""
+        self._go_on(standby)  # (a role is worth finishing the import for, at serving priority)
         if standby.alive and (failed := priority.restore(self.serving, standby.pid)):
             log.warning("%s: %d threads of its standby kept their standby priority", member.component, failed)
         sent = standby.alive and standby.send_role(msgspec.json.encode(role), fds)
@@ -179,12 +210,14 @@ class StandbyPool:
     def _release(self, standby: Standby) -> None:
         self._hang_up(standby)
         standby.release()
+        self._go_on(standby)  # a stopped process acts on its SIGTERM once continued
         if standby.alive:
             self.released.add(standby)
 
     def on_exit(self, standby: Child) -> None:
         assert isinstance(standby, Standby)
         self._hang_up(standby)
+        self.paused.discard(standby)
         if standby in self.released:
             self.released.discard(standby)
             standby.set(ChildState.STOPPED, standby.last_exit or "")

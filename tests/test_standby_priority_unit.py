@@ -1,5 +1,6 @@
 """Issue 57, without vLLM: a standby's priority (servectl/priority.py) lowered and given back on
-every thread, what an unprivileged daemon may do, and a roll passing standbys on (manager/standbys.py).
+every thread, what an unprivileged daemon may do, a roll passing standbys on and warming standbys
+paced by serving (manager/standbys.py; a sleeping interpreter stands in for a standby's import).
 
 Priorities are changed in forked children only (the test process keeps its own); ``nobody`` stands
 in for a service user (tests run as root, which has CAP_SYS_NICE).
@@ -9,14 +10,17 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
+import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from as_user import NOBODY, run_as
-from manager.children import Child, Standby
+from manager.children import Child, ChildState, Standby
 from manager.standbys import StandbyPool
 from servectl import config as C
 from servectl import priority
@@ -126,3 +130,41 @@ def test_a_roll_to_fewer_ranks_passes_what_has_a_successor():
     pool = pool_with(old)
     assert pool.pass_on(old, new) == 2
     assert sorted(pool.waiting) == ["engine_core:a@1", "worker:a:1", "worker:a@1:0"]  # rank 1's goes with a
+
+
+# ---- warming waits while a model serves ------------------------------------------------------
+
+def proc_state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+
+
+def until_state(pid: int, want: str) -> str:
+    end = time.monotonic() + 10
+    while (got := proc_state(pid)) != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return got
+
+
+def test_warming_standbys_stop_while_a_model_serves_and_go_on_when_all_are_idle():
+    g = group("a", 1)
+    pool = pool_with(g)
+    importing, warm = pool.waiting["engine_core:a"], pool.waiting["worker:a:0"]
+    for standby in (importing, warm):
+        standby.spawn([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    warm.set(ChildState.READY)  # said W: it sleeps in recvmsg, nothing to stop
+    try:
+        pool.pace(True)
+        assert until_state(importing.pid, "T") == "T" and proc_state(warm.pid) != "T"
+        pool.pace(True)  # (again: nothing changes)
+        assert pool.paused == {importing}
+        pool.pace(False)
+        assert until_state(importing.pid, "S") == "S" and not pool.paused and proc_state(warm.pid) != "T"
+        pool.pace(True)
+        assert until_state(importing.pid, "T") == "T"
+        pool._release(importing)  # a stopped standby acts on its SIGTERM: it is continued
+        assert importing.popen.wait(10) == -signal.SIGTERM and not pool.paused
+    finally:
+        for standby in (importing, warm):
+            if standby.popen.poll() is None:
+                standby.popen.kill()
+                standby.popen.wait()

@@ -111,6 +111,10 @@ def priorities(pid: int) -> set[tuple[int, int, int]]:
     return out
 
 
+def proc_state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+
+
 WARMING = {(os.SCHED_IDLE, 0, IOPRIO_CLASS_IDLE)}  # issue 57: a standby takes only cores nobody wants
 
 
@@ -233,10 +237,32 @@ def test_a_second_crash_takes_the_standbys_while_they_still_import(sup):
 def test_a_killed_standby_is_replaced_and_nothing_else_moves(sup):
     warm = sup.wait_standbys_warm(4)
     before = pids(sup)
-    os.kill(warm["worker:b:0"].pid, signal.SIGKILL)
-    wait_for(lambda: (lambda s: "worker:b:0" in s and s["worker:b:0"].pid != warm["worker:b:0"].pid)(
-        sup.standbys()), 60, what="a new standby for worker:b:0")
-    again = sup.wait_standbys_warm(4)
+    # b serves throughout: its new standby waits, stopped, until every model is idle (issue 57).
+    stop, served = threading.Event(), []
+
+    def load() -> None:
+        while not stop.is_set():
+            served.append(post(sup, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 64,
+                                                        "ignore_eos": True}).status)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        wait_for(lambda: served, 120, what="b serving")
+        os.kill(warm["worker:b:0"].pid, signal.SIGKILL)
+        new = wait_for(lambda: (lambda s: s.get("worker:b:0") if "worker:b:0" in s and
+                                s["worker:b:0"].pid != warm["worker:b:0"].pid else None)(sup.standbys()),
+                       60, what="a new standby for worker:b:0")
+        wait_for(lambda: proc_state(new.pid) == "T", 30, interval=0.05, what="the new standby stopped while b serves")
+        count = len(served)
+        wait_for(lambda: len(served) > count + 2, 120, what="b serving on")
+        assert proc_state(new.pid) == "T" and sup.standbys()["worker:b:0"].state == "starting"
+    finally:
+        stop.set()
+        t.join(300)
+    assert set(served) == {200}
+    again = sup.wait_standbys_warm(4)  # b idle, frozen: it imports
+    assert again["worker:b:0"].pid == new.pid
     assert again["engine_core:b"].pid == warm["engine_core:b"].pid
     def serving(p: dict[str, int]) -> dict[str, int]:
         return {k: v for k, v in p.items() if not k.startswith("standby:")}
