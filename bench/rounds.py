@@ -158,9 +158,14 @@ def markdown(res: dict, a: str, b: str) -> str:
     sa, sb = res["summary"][a], res["summary"][b]
     lines = [f"# {b} vs {a}: {res['rounds']} alternating rounds — {res['date']}", "",
              *(f"{note}\n" for note in res.get("notes", [])),  # a caller's (bench.tracing: the spans exported)
-             f"Machine: {res['machine']['cores']} cores, {res['machine']['cpu']}. Prompts {res['params']['input_len']}"
-             f" tokens, {res['params']['output_len']} output tokens (ignore_eos). Median of the rounds, "
-             "[min – max] beside it.", "",
+             f"Machine: {res['machine']['cores']} cores, {res['machine']['cpu']}. "
+             + ("Prompts that contain the text to be repeated (`repeat_dataset`: a chunk of code twice, then "
+                "its start; ~260 tokens)" if res["params"].get("repeat_prompts") else
+                f"Prompts {res['params']['input_len']} tokens")
+             + f", {res['params']['output_len']} output tokens (ignore_eos)"
+             + (f"; both servers with `speculative_config` {json.dumps(res['params']['speculative_config'])}"
+                if res["params"].get("speculative_config") else "")
+             + ". Median of the rounds, [min – max] beside it.", "",
              f"| figure | {a} | {b} | ratio ({b} / {a}) |", "|---|---|---|---|"]
 
     def cell(s):
