@@ -12,9 +12,9 @@ Standbys import at the lowest CPU and I/O priority (servectl/priority.py), and o
 model serves (``pace``: a warming standby is stopped while any group that freezes is busy, and
 goes on once every one is idle, frozen: even at SCHED_IDLE an import beside a serving model slowed
 it ~15 % on 2 cores). ``hand_over`` continues the standby and gives every thread the manager's own
-priority back before the role is sent. A roll passes
-the replaced group's standbys on to its successor (``pass_on``): a standby is a warm
-interpreter, and the new group's members take them where their environments match.
+priority back before the role is sent. A roll passes the replaced group's standbys on to its
+successor (``pass_on``): a standby is a warm interpreter, and the new group's members take them
+where their environments match.
 """
 
 from __future__ import annotations

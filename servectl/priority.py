@@ -9,7 +9,7 @@ priority) and the standby again before it runs the role (a thread born meanwhile
 
 Leaving SCHED_IDLE, like lowering a nice value, needs CAP_SYS_NICE or an RLIMIT_NICE that allows
 the serving nice value (systemd: ``LimitNICE=``); the I/O class needs nothing. Without that
-permission (``can_restore``) a standby lowers its I/O only: a serving process left at idle CPU
+permission (``may_raise_to``) a standby lowers its I/O only: a serving process left at idle CPU
 priority would be far worse than a standby competing.
 """
 
@@ -26,7 +26,6 @@ from typing import NamedTuple
 _IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 274), "s390x": (282, 283)}
 IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread
 IOPRIO_CLASS_SHIFT = 13
-IOPRIO_CLASS_BE = 2
 IOPRIO_CLASS_IDLE = 3
 IOPRIO_IDLE = IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT
 CAP_SYS_NICE = 23
