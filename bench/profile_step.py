@@ -1,6 +1,7 @@
-"""Where a decode step goes, at concurrency 1: py-spy over every process of both servers.
+"""Where a decode step goes, at concurrency 1 (or ``--concurrency N``): py-spy over every process of both servers.
 
     python -m bench.profile_step                  # 2 alternating runs per server (A B A B)
+    python -m bench.profile_step --concurrency 16 --tag profile-c16   # a batch's step
     python -m bench.profile_step --runs 3 --duration 20
     python -m bench.profile_step --only servectl --env SERVECTL_WORKER_SPIN_US=300   # an experiment
     python -m bench.profile_step --reanalyze bench/results/<date>-profile.json       # re-attribute saved stacks
@@ -43,6 +44,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from bench.rounds import step_totals
 from bench.run import DEFAULT_MODEL_DIR, ROOT, Servectl, VllmServe, machine, wait_completion
 
 INPUT_LEN = 32
@@ -66,10 +68,12 @@ def prompt_text(n_tokens: int = INPUT_LEN) -> str:
 
 
 class Load:
-    """A closed loop of streaming completions at concurrency 1, in a thread; every token's arrival time."""
+    """A closed loop of streaming completions at ``concurrency`` (1: one stream), in a thread; every
+    token's arrival time."""
 
-    def __init__(self, base: str, prompt: str, output_len: int = OUTPUT_LEN):
+    def __init__(self, base: str, prompt: str, output_len: int = OUTPUT_LEN, concurrency: int = 1):
         self.base = base
+        self.concurrency = concurrency
         self.payload = {"model": "default", "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": output_len,
                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         self.stamps: list[tuple[float, int]] = []  # (arrival, request number) per chunk carrying tokens
@@ -82,28 +86,32 @@ class Load:
         import aiohttp
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            while not self._stop.is_set():
-                n = len(self.requests)
-                self.requests.append({"chunks": 0, "completion_tokens": None, "prompt_tokens": None})
-                try:
-                    async with session.post(f"{self.base}/v1/completions", json=self.payload) as r:
-                        if r.status != 200:
-                            self.errors.append(f"HTTP {r.status}")
-                            await asyncio.sleep(0.1)
+            await asyncio.gather(*(self._client(session) for _ in range(self.concurrency)))
+
+    async def _client(self, session) -> None:
+        """One closed loop: a streamed completion after another until stopped."""
+        while not self._stop.is_set():
+            n = len(self.requests)
+            self.requests.append({"chunks": 0, "completion_tokens": None, "prompt_tokens": None})
+            try:
+                async with session.post(f"{self.base}/v1/completions", json=self.payload) as r:
+                    if r.status != 200:
+                        self.errors.append(f"HTTP {r.status}")
+                        await asyncio.sleep(0.1)
+                        continue
+                    async for line in r.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                             continue
-                        async for line in r.content:
-                            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                                continue
-                            obj = json.loads(line[6:])
-                            if obj.get("choices"):
-                                self.requests[n]["chunks"] += 1
-                                self.stamps.append((time.monotonic(), n))
-                            if obj.get("usage"):
-                                self.requests[n]["completion_tokens"] = obj["usage"].get("completion_tokens")
-                                self.requests[n]["prompt_tokens"] = obj["usage"].get("prompt_tokens")
-                except Exception as exc:  # noqa: BLE001 - counted, the loop goes on
-                    self.errors.append(repr(exc))
-                    await asyncio.sleep(0.1)
+                        obj = json.loads(line[6:])
+                        if obj.get("choices"):
+                            self.requests[n]["chunks"] += 1
+                            self.stamps.append((time.monotonic(), n))
+                        if obj.get("usage"):
+                            self.requests[n]["completion_tokens"] = obj["usage"].get("completion_tokens")
+                            self.requests[n]["prompt_tokens"] = obj["usage"].get("prompt_tokens")
+            except Exception as exc:  # noqa: BLE001 - counted, the loop goes on
+                self.errors.append(repr(exc))
+                await asyncio.sleep(0.1)
 
     def start(self) -> None:
         self._thread.start()
@@ -112,9 +120,10 @@ class Load:
         self._stop.set()
         self._thread.join(150)
 
-    def window(self, t0: float, t1: float) -> dict:
+    def window(self, t0: float, t1: float, steps: float | None = None) -> dict:
         """Tokens received in [t0, t1): a chunk counts 1, or completion_tokens / chunks of its request when
-        the server merged tokens into fewer chunks (``vllm serve`` does when its API server falls behind)."""
+        the server merged tokens into fewer chunks (``vllm serve`` does when its API server falls behind).
+        A step is a token at c=1; above, ``steps`` (the engines' own count, from /metrics) says."""
         tokens = 0.0
         stamps = []
         for t, n in self.stamps:
@@ -125,7 +134,9 @@ class Load:
         gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
         return {"seconds": round(t1 - t0, 3), "tokens": round(tokens, 1), "chunks": len(stamps),
                 "requests_started": len({n for t, n in self.stamps if t0 <= t < t1}),
-                "us_per_step": round((t1 - t0) * 1e6 / tokens, 1) if tokens else None,
+                "us_per_step": (round((t1 - t0) * 1e6 / steps, 1) if steps else None) if steps is not None else
+                (round((t1 - t0) * 1e6 / tokens, 1) if tokens else None),
+                "steps": steps if steps is not None else round(tokens, 1),
                 "itl_p50_ms": round(gaps[len(gaps) // 2] * 1e3, 3) if gaps else None}
 
     def finished(self) -> list[dict]:
@@ -432,16 +443,23 @@ def profile_server(name: str, p: argparse.Namespace, work: Path, prompt: str) ->
         if p.pin_worker is not None and isinstance(server, Servectl) and "worker" in procs:
             pin(procs["worker"], p.pin_worker)
             out["pinned_worker_to_cpu"] = p.pin_worker
-        load = Load(server.base, prompt)
+        load = Load(server.base, prompt, concurrency=p.concurrency)
         load.start()
         time.sleep(p.warmup)  # warm-up, not counted
+
+        def steps_since(before):  # the engines' step count (vLLM's histogram) above c=1; at c=1 a token
+            after = step_totals(server.base) if p.concurrency > 1 else None
+            return after[1] - before[1] if after and before else None
+
+        s0 = step_totals(server.base) if p.concurrency > 1 else None
         c0 = thread_counters(procs)
         b0 = time.monotonic()
         time.sleep(p.baseline)
         b1 = time.monotonic()
         c1 = thread_counters(procs)
-        out["baseline"] = load.window(b0, b1)  # the same load, no profiler attached
-        out["baseline"]["counters"] = counters_per_step(c0, c1, out["baseline"]["tokens"] or 1)
+        out["baseline"] = load.window(b0, b1, steps_since(s0))  # the same load, no profiler attached
+        out["baseline"]["counters"] = counters_per_step(c0, c1, out["baseline"]["steps"] or 1)
+        s0 = step_totals(server.base) if p.concurrency > 1 else None
         raw_dir = work / f"raw-{name.replace(' ', '-')}-{time.monotonic_ns()}"
         raw_dir.mkdir()
         c0 = thread_counters(procs)
@@ -450,8 +468,8 @@ def profile_server(name: str, p: argparse.Namespace, work: Path, prompt: str) ->
         time.sleep(p.duration)
         c1 = thread_counters(procs)
         logs = {kind: sp.communicate(timeout=120)[0] for kind, sp in spies.items()}
-        out["window"] = load.window(t0, t0 + p.duration)
-        out["window"]["counters"] = counters_per_step(c0, c1, out["window"]["tokens"] or 1)
+        out["window"] = load.window(t0, t0 + p.duration, steps_since(s0))
+        out["window"]["counters"] = counters_per_step(c0, c1, out["window"]["steps"] or 1)
         load.stop()
         done = load.finished()
         out["requests"] = {"finished": len(done), "errors": len(load.errors), "first_errors": load.errors[:3],
@@ -552,12 +570,16 @@ def fmt1(vals: list[float | None]) -> str:
 def markdown(res: dict) -> str:
     servers = [s for s in ("vllm serve", "servectl") if s in res["summary"]]
     runs = {s: res["summary"][s] for s in servers}
-    lines = [f"# Where a decode step goes, c=1 — {res['date']}", "",
+    c = res["params"].get("concurrency", 1)
+    per = ("the client's wall time per token in the window" if c == 1 else
+           "the window's wall time per engine step (the engines' own step count, vLLM's "
+           "`vllm:iteration_tokens_total` histogram)")
+    lines = [f"# Where a decode step goes, c={c} — {res['date']}", "",
              f"Machine: {res['machine']['cores']} cores, {res['machine']['cpu']}; load average at the start "
-             f"{res['loadavg_start']}. Streaming completions at concurrency 1, {INPUT_LEN}-token prompts, "
+             f"{res['loadavg_start']}. Streaming completions at concurrency {c}, {INPUT_LEN}-token prompts, "
              f"{OUTPUT_LEN} output tokens (ignore_eos); py-spy --rate {res['params']['rate']} --idle --threads "
              f"--nonblocking on every process for {res['params']['duration']} s. µs per step = a phase's share of "
-             f"a thread's samples × the client's wall time per token in the window (wall clock: a phase includes "
+             f"a thread's samples × {per} (wall clock: a phase includes "
              f"the time its thread was preempted in it). Servers alternate, each freshly started; a cell is the "
              f"median [min – max] of the runs (every run's value when fewer than 3).", ""]
     hdr = "| | " + " | ".join(servers) + " |"
@@ -567,7 +589,7 @@ def markdown(res: dict) -> str:
     def row(label, get):
         lines.append(f"| {label} | " + " | ".join(fmt([get(s, r) for r in runs[s]]) for s in servers) + " |")
 
-    row("µs per step, profiled (window / tokens)", lambda s, r: r["us_per_step"])
+    row("µs per step, profiled (window / steps)", lambda s, r: r["us_per_step"])
     row("µs per step, same load without the profiler", lambda s, r: r.get("baseline_us_per_step"))
     lines += ["", "## CPU per step without the profiler (/proc schedstat, the baseline window)", "",
               "CPU µs and run-queue wait µs (runnable, no core free) per step, and context switches per step "
@@ -661,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=2, help="alternating runs per server (A B A B ...)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="streams at once; above 1 a step is the engines' own count (their /metrics)")
     ap.add_argument("--duration", type=int, default=20, help="seconds of py-spy sampling per run")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second (500 nearly doubled the step time here)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before anything is counted")
@@ -696,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                  "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
                  "params": {"runs": p.runs, "duration": p.duration, "rate": p.rate, "warmup": p.warmup,
                             "baseline": p.baseline, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
-                            "env": p.env, "pin_worker": p.pin_worker, "warm_standby": False},
+                            "env": p.env, "pin_worker": p.pin_worker, "warm_standby": False,
+                            "concurrency": p.concurrency},
                  "raw": {s: [] for s in servers}}
     for i in range(p.runs):
         for s in servers:
