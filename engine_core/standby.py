@@ -8,7 +8,8 @@ that only has to load the model.
 
     python -m engine_core.standby --channel-fd N
 
-The standby imports, says ``W`` (warm) on its channel and then sleeps in
+The standby says ``L`` once it would die with the manager, imports, says ``W`` (warm) on its
+channel and then sleeps in
 ``recvmsg`` until the manager sends a ``Role`` with the role's descriptors
 attached, or closes the channel (then it exits 0). It never touches a device
 before it has a role: on a GPU host it holds no GPU memory.
@@ -76,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_child_logging("standby", args.component,
                               model_of(parsed.model) if parsed is not None and parsed.model else None)
     channel = socket.socket(fileno=args.channel_fd)
+    try:
+        # "L": it dies with the manager now (die_with_parent) and imports at idle priority, so the
+        # manager may stop it while a model serves (manager/standbys.py: pace); not before this.
+        channel.sendall(b"L")
+    except OSError:
+        pass
     try:
         preload()
     except Exception:

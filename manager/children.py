@@ -201,8 +201,8 @@ class Child:
 class Standby(Child):
     """A warm interpreter waiting to become one group member (engine_core/standby.py).
 
-    Exec'd with the member's exact environment; it says ``W`` on its channel
-    once vLLM is imported, then sleeps until ``send_role`` or until the
+    Exec'd with the member's exact environment; it says ``L`` on its channel as it begins to
+    import and ``W`` once vLLM is imported, then sleeps until ``send_role`` or until the
     channel closes.
     """
 
@@ -212,6 +212,7 @@ class Standby(Child):
         self.member = member.component
         self.env: dict[str, str] = {}
         self.channel: socket.socket | None = None
+        self.importing = False  # it said "L": it dies with the manager, it may be stopped meanwhile
 
     def spawn_standby(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -1,8 +1,8 @@
 """The warm standby pool: the sole owner of every standby interpreter.
 
 Once a group serves, each member gets one ``python -m engine_core.standby``
-exec'd with that member's exact environment; it imports vLLM, says ``W`` on a
-SOCK_SEQPACKET channel and sleeps. A restart ``take``s the member's standby
+exec'd with that member's exact environment; it says ``L`` (it dies with the manager now),
+imports vLLM, says ``W`` on a SOCK_SEQPACKET channel and sleeps. A restart ``take``s the member's standby
 and ``hand_over``s the role (descriptors attached); the member ``adopt``s the
 process. A standby made for another environment, or of a model being
 unloaded, is released. One that dies is replaced after the restart policy's
@@ -103,8 +103,6 @@ class StandbyPool:
             standby.spawn_standby(env)
             self.waiting[member.component] = standby
             self.host.watch(standby)
-            if self.busy:
-                self._pause(standby)  # (exec'd as its group became ready: it imports once all are idle)
             asyncio.get_running_loop().add_reader(standby.channel.fileno(), self._on_says, standby)
 
     def pace(self, busy: bool) -> None:
@@ -120,7 +118,9 @@ class StandbyPool:
                 self._go_on(standby)
 
     def _pause(self, standby: Standby) -> None:
-        if standby.alive and standby.state is ChildState.STARTING and standby not in self.paused:
+        # Only once it said "L": stopped before its die_with_parent, it would outlive a killed manager.
+        if standby.alive and standby.importing and standby.state is ChildState.STARTING and \
+                standby not in self.paused:
             standby.signal(signal.SIGSTOP)
             self.paused.add(standby)
 
@@ -136,7 +136,11 @@ class StandbyPool:
             return
         except OSError:
             said = b""
-        if said == b"W":
+        if said == b"L":
+            standby.importing = True
+            if self.busy:
+                self._pause(standby)  # (exec'd as its group became ready: it imports once all are idle)
+        elif said == b"W":
             standby.set(ChildState.READY)
         else:  # it is going; its pidfd tells the rest
             self._hang_up(standby)

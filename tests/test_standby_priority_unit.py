@@ -154,6 +154,10 @@ def test_warming_standbys_stop_while_a_model_serves_and_go_on_when_all_are_idle(
     warm.set(ChildState.READY)  # said W: it sleeps in recvmsg, nothing to stop
     try:
         pool.pace(True)
+        assert not pool.paused and proc_state(importing.pid) != "T"  # not before it said L (no PDEATHSIG yet)
+        pool.pace(False)
+        importing.importing = warm.importing = True  # (both said L)
+        pool.pace(True)
         assert until_state(importing.pid, "T") == "T" and proc_state(warm.pid) != "T"
         pool.pace(True)  # (again: nothing changes)
         assert pool.paused == {importing}
