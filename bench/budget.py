@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-import re
 from datetime import datetime
+from pathlib import Path
 
 from bench import run as B
 from bench.idle_release import PROMPT, IdleDaemon

@@ -87,6 +87,14 @@ def step_figures(before: tuple[float, float] | None, after: tuple[float, float] 
     return {"tokens_per_step": round(tokens / steps, 2), "mean_step_ms": round(seconds * 1000 / steps, 3)}
 
 
+def stream_cell(server, c: int, p: argparse.Namespace, work: Path) -> dict:
+    """One streaming cell at concurrency ``c``: vLLM's benchmark, and the engine steps around it."""
+    before = step_totals(server.base)
+    r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work, p.dataset)
+    r.update(step_figures(before, step_totals(server.base), r.get("duration")))
+    return {k: r.get(k) for k in FIGURES}
+
+
 def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path) -> dict:
     server.start()
     try:
@@ -96,19 +104,13 @@ def one_round(server, concurrency: list[int], p: argparse.Namespace, work: Path)
         out: dict = {"stream": {}}
         if p.early:  # from the first completion on: no warm-up, the standbys still importing
             for c in concurrency:
-                before = step_totals(server.base)
-                r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work, p.dataset)
-                r.update(step_figures(before, step_totals(server.base), r.get("duration")))
-                out["stream"][f"{c} early"] = {k: r.get(k) for k in FIGURES}
+                out["stream"][f"{c} early"] = stream_cell(server, c, p, work)
         if isinstance(server, Servectl) and server.warm_standby:
             # the standbys' import is not part of the settled load (after --early: how long it still ran)
             out["standbys_warm_after_s"] = server.wait_warm()
         vllm_bench(server.base, 4, 16, p.input_len, p.output_len, work)  # warm-up, not counted
         for c in concurrency:
-            before = step_totals(server.base)
-            r = vllm_bench(server.base, c, max(p.prompts, 2 * c), p.input_len, p.output_len, work, p.dataset)
-            r.update(step_figures(before, step_totals(server.base), r.get("duration")))
-            out["stream"][str(c)] = {k: r.get(k) for k in FIGURES}
+            out["stream"][str(c)] = stream_cell(server, c, p, work)
         if p.non_stream_requests > 0:  # 0: streaming cells only
             ns = asyncio.run(non_stream_load(server.base, 16, p.non_stream_requests, p.output_len))
             out["non_stream_c16"] = {**ns, "tok_s": round(ns["ok"] * p.output_len / ns["seconds"], 1)}

@@ -90,8 +90,8 @@ class ClusterMember:
                     log.warning("cluster: cannot reach head %s (%s): %s; trying again", head,
                                 self.cluster.hosts[head], why)
                     said = why
-                # event-proof: the head is unreachable (down, or the link cut): nothing here can
-                # announce its return, so the member tries again, backing off to REDIAL_S[1].
+                # The head is unreachable (down, or the link cut): nothing here can announce its return.
+                # event-proof: so the member dials again, backing off to REDIAL_S[1].
                 await asyncio.sleep(wait)
                 wait = min(REDIAL_S[1], wait * 2)
                 continue
