@@ -12,7 +12,9 @@ With no admin key configured the routes do not exist: 404, as any unknown path.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -44,6 +46,23 @@ SETTLED_LINKS = frozenset({LinkState.READY, LinkState.RELEASED, LinkState.FAILED
 # here like the other management routes: not behind the API keys alone.
 LORA_TIMEOUT_S = MP.LORA_CHANGE_TIMEOUT_S + 30  # past the manager's own bound on the engine's answer
 LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def since_of(raw: str | None) -> float | None:
+    """``?since=``: unix seconds, or an ISO 8601 time (UTC unless it says its offset)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            at = datetime.datetime.fromisoformat(raw)
+        except ValueError:
+            raise HttpError(400, f"since: unix seconds or an ISO 8601 time (got {raw[:40]!r})", param="since") from None
+        value = (at if at.tzinfo else at.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    if not math.isfinite(value) or value < 0:
+        raise HttpError(400, f"since: a time after 1970 (got {raw[:40]!r})", param="since")
+    return value
 
 
 class FreezeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,6 +105,7 @@ class AdminRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get(PREFIX + "models", self.models)
+        app.router.add_get(PREFIX + "usage", self.usage)
         for verb in ("load", "unload", "restart", "freeze"):
             app.router.add_post(PREFIX + "models/{model}/" + verb, getattr(self, verb))
         app.router.add_post("/v1/load_lora_adapter", self.load_lora)
@@ -181,6 +201,16 @@ class AdminRoutes:
         data += [{"name": name, "model": name, "state": "unloaded", "served": False} for name in st.unloaded]
         # The memory budget: each device's budget and use, the cap, the last eviction (docs/operations.md).
         return web.json_response({"object": "list", "data": data, "budget": msgspec.to_builtins(st.budget)})
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """Usage per key and model (``?since=``: unix seconds or an ISO 8601 time; default: all kept),
+        as the manager keeps it across restarts (docs/tenancy.md)."""
+        self.check(request)
+        reply = await self.ask(MP.UsageRequest(since=since_of(request.query.get("since"))))
+        if not isinstance(reply, MP.UsageReply):
+            raise HttpError(503, "the manager gave no usage", "service_unavailable")
+        return web.json_response({"object": "list", "since": reply.since, "until": reply.until,
+                                  "data": msgspec.to_builtins(reply.rows)})
 
     async def engine_stats(self, name: str):
         link = self.gw.links.get(name)

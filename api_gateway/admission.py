@@ -23,6 +23,7 @@ from api_gateway.generate import Generator
 from api_gateway.input_bounds import check_input
 from api_gateway.passthrough import check_kind
 from api_gateway.served import ServedModel, prefix_key
+from api_gateway.tenancy import KeyGate
 from api_gateway.translate import check_logit_bias, generate_messages
 from servectl.config import GatewayConfig
 from servectl.wire import engine as EP
@@ -38,6 +39,7 @@ class Admission:
     in_flight: int  # admitted requests not answered yet
     idle: asyncio.Event  # set while in_flight is 0: the drain's wait
     new_request_id: Callable[[], str]
+    keygate: KeyGate  # the request's key: its models, limits, fair share
 
     def model_for(self, model: str | None) -> str:
         """The model a request names; without a name, the one served model (as `vllm serve`)."""
@@ -57,6 +59,15 @@ class Admission:
                             param="model", code="model_not_found")
         return served
 
+    async def keyed_link(self, request: web.Request, model: str) -> ServedModel:
+        """The model a request names, checked against its key: a model the key may not use is a
+        403, past its limits a 429 (asked of the manager, for every gateway's requests)."""
+        request["log"]["model"] = model
+        link = self.link_for(model)
+        self.keygate.check_model(request, model, link.model)
+        await self.keygate.admit(request, model)
+        return link
+
     def adapter_link(self, name: str) -> ServedModel | None:
         return next((m for m in self.served.values() if any(lora.name == name for lora in m.loras)), None)
 
@@ -71,7 +82,8 @@ class Admission:
     async def serve(self, request: web.Request, req, forward: dict, prompts: list | None,
                     chat: bool) -> web.StreamResponse:
         with T.span("servectl.admission"):
-            link, run, seqs, base = self.admit(request, req, forward, prompts)
+            await self.keyed_link(request, self.model_for(req.model))
+            link, run, seqs, base = self.admit(request, req, forward, prompts, "chat" if chat else "completion")
         with self.admitted(link, seqs):
             hold = functools.partial(self.hold, link, seqs, req.model, request.path)
             if req.stream:  # held under keep-alive comments while the model is not ready (sse.py)
@@ -79,7 +91,7 @@ class Admission:
             await hold()
             return await self.generator.respond(request, req, run, chat, base)
 
-    def admit(self, request: web.Request, req, forward: dict, prompts: list | None):
+    def admit(self, request: web.Request, req, forward: dict, prompts: list | None, kind: str):
         """The checks before a request is queued: its model, the caps; its engine requests built."""
         req.model = self.model_for(req.model)
         check_logit_bias(req.logit_bias)
@@ -95,6 +107,7 @@ class Admission:
             raise HttpError(400, f"{count} prompt(s) × n={n} is {seqs} sequences; at most {cap} per "
                                  "request", param="prompt" if count > 1 else "n", code="too_many_sequences")
         self.check_room(link, seqs)
+        self.keygate.prioritise(request, kind, forward, seqs)  # a saturated model shared by key weight
         # The response id, as vLLM's: the X-Request-Id header (when plain), else the body's
         # request_id, else ours.
         header = request.headers.get("X-Request-Id")
@@ -142,8 +155,7 @@ class Admission:
 
     async def ask_tokenizer(self, request: web.Request, model: str | None, kind: str, body: dict) -> web.Response:
         model = self.model_for(model)
-        link = self.link_for(model)
-        request["log"]["model"] = model
+        link = await self.keyed_link(request, model)
         if self.draining:
             raise HttpError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"})
         # Admitted as one sequence: tokenising is the engine's work too (a flood of them waits

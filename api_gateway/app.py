@@ -22,6 +22,7 @@ import socket
 import time
 from pathlib import Path
 
+import msgspec
 import zmq.asyncio
 from aiohttp import web
 
@@ -36,10 +37,11 @@ from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner, raise_fd_limit
 from api_gateway.keys import KeyRing
 from api_gateway.manager_link import ManagerLink
-from api_gateway.metrics import Metrics
+from api_gateway.metrics import Metrics, key_usage_exposition
 from api_gateway.middleware import Middleware
 from api_gateway.passthrough import ApiEndpoints
 from api_gateway.speech import SpeechEndpoints
+from api_gateway.tenancy import KeyGate
 from api_gateway.probes import Probes
 from api_gateway.served import ServedModel
 from api_gateway.translate import check_messages, normalize_prompts
@@ -77,7 +79,9 @@ class Gateway(Admission):
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.keys = KeyRing(self.cfg.api_keys, self.cfg.admin_keys)
+        self.keys = KeyRing(self.cfg.api_keys, self.cfg.admin_keys, self.cfg.keys)
+        self.keygate = KeyGate(self.manager, self.cfg.fair_share)  # models, limits, fair share, usage per key
+        self.generator.on_usage = self.keygate.finished  # told before an answer's last bytes
         self.manager.on_api_keys = self.set_api_keys
         self.admin = AdminRoutes(self)
         self.probes = Probes(self)  # /live, /ready, /kv_event_sources
@@ -86,7 +90,7 @@ class Gateway(Admission):
         self.speech = SpeechEndpoints(self.apis, lambda: self.cfg)  # /v1/audio/* (speech.py)
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
-        self.front = Middleware(self.hosts, self.cors, self.metrics, lambda: self.keys)
+        self.front = Middleware(self.hosts, self.cors, self.metrics, lambda: self.keys, self.keygate.finished)
         self.created = int(time.time())
         # Set by SIGTERM/SIGINT, or when a long-lived task died past its restarts (task_died).
         self.stop = asyncio.Event()
@@ -104,9 +108,10 @@ class Gateway(Admission):
 
     def set_api_keys(self, keys: MP.ApiKeys) -> None:
         """A reload rotated the keys: from the next request on, only these are accepted."""
-        self.keys = KeyRing(keys.keys, keys.admin_keys)
+        self.keys = KeyRing(keys.keys, keys.admin_keys, keys.named)
         self.ui.keys_changed()
-        log.info("API keys replaced (%d API key(s), %d admin key(s))", len(keys.keys), len(keys.admin_keys))
+        log.info("API keys replaced (%d API key(s), %d named, %d admin key(s))", len(keys.keys), len(keys.named),
+                 len(keys.admin_keys))
 
     def stop_being_ready(self) -> None:
         """The host is stopping (SIGUSR1 from the manager): /ready fails from now on, so routers and
@@ -142,6 +147,9 @@ class Gateway(Admission):
         cards = [self.card(name) for name in sorted(self.served)]
         cards += [self.adapter_card(link, lora) for name in sorted(self.served) for link in [self.served[name]]
                   for lora in link.loras]
+        allowed = self.keygate.models_of(request)  # a key with a models list sees those
+        if allowed is not None:
+            cards = [c for c in cards if c.id in allowed or (c.parent is not None and c.parent in allowed)]
         return web.Response(body=H.encoder.encode(H.ModelList(data=cards)), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
@@ -181,7 +189,18 @@ class Gateway(Admission):
             # vLLM's own (vllm:*): only from an engine that lives; a released model's are gone.
             engines.append(await link.engine_metrics())
         body, ctype = self.metrics.render(engines)
-        return web.Response(body=body, headers={"Content-Type": ctype})
+        return web.Response(body=body + await self.key_usage(), headers={"Content-Type": ctype})
+
+    async def key_usage(self) -> bytes:
+        """The usage counters per key and model, as the manager keeps them (none if it does not answer)."""
+        if self.manager.control is None:  # not connected to a manager (the unit tests' gateway)
+            return b""
+        try:
+            reply = await self.manager.ask(MP.UsageRequest(), timeout_s=2.0)
+        except (TimeoutError, zmq.ZMQError, ValueError, msgspec.DecodeError) as exc:
+            log.warning("/metrics without the usage per key: the manager did not answer (%s)", exc)
+            return b""
+        return key_usage_exposition(reply.rows) if isinstance(reply, MP.UsageReply) else b""
 
     async def openapi(self, request: web.Request) -> web.Response:
         from api_gateway.openapi import spec

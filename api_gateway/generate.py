@@ -38,6 +38,8 @@ class Generator:
         self.metrics = metrics
         self.new_request_id = new_request_id
         self.report_hang = report_hang
+        # A finished answer's usage, told before its last bytes go out (tenancy.py's KeyGate.finished).
+        self.on_usage: Callable[[web.Request, int], None] = lambda request, status: None
 
     def run(self, model: ServedModel, gens: list[EP.Generate], n: int, key: bytes | None = None) -> RequestRun:
         """The engine side of a request; raises the client's 400 if it cannot be sent at all."""
@@ -76,6 +78,7 @@ class Generator:
         usage = acc.usage()
         request["log"].update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
         self.observe_counts(model, usage.prompt_tokens, usage.completion_tokens, started, acc.first_token_at)
+        self.on_usage(request, 200)
 
     def observe_counts(self, model: str, prompt: int, completion: int, started: float,
                        first_token: float | None) -> None:

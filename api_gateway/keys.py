@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+from typing import NamedTuple
+
+from servectl.config import NamedKey
 
 
 class Access(enum.Enum):
@@ -32,17 +35,44 @@ def fingerprint(key: str | bytes) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()[:12]
 
 
-class KeyRing:
-    """The API keys and admin keys a gateway checks now (a reload replaces them in place)."""
+class RequestKey(NamedTuple):
+    """The key a request came with: what it opens, the name its usage is counted under (a named
+    key's name, an unnamed key's fingerprint, "(none)" when the API needs no key) and its settings."""
 
-    def __init__(self, api_keys: list[str], admin_keys: list[str]):
+    access: Access
+    label: str
+    named: NamedKey | None = None
+
+
+# The API needs no key (none configured): counted under a label no key's name can be.
+OPEN = RequestKey(Access.API, "(none)")
+
+
+class KeyRing:
+    """The API keys, named keys and admin keys a gateway checks now (a reload replaces them in place)."""
+
+    def __init__(self, api_keys: list[str], admin_keys: list[str], named: list[NamedKey] = ()):
         self.api = [k.encode() for k in api_keys]
         self.admin = [k.encode() for k in admin_keys]
+        self.named = [(k.key.encode(), k) for k in named if k.key]
 
     @property
     def api_open(self) -> bool:
         """No API key configured: the API needs none (as `vllm serve` without --api-key)."""
-        return not self.api
+        return not self.api and not self.named
+
+    def identify(self, token: bytes) -> RequestKey | None:
+        """Which key this token is (None: none configured). Every key is compared, in constant time each."""
+        found = None
+        for key, named in self.named:
+            if hmac.compare_digest(token, key):
+                found = named
+        access = self.access(token)
+        if not token:
+            return None
+        if found is not None:
+            return RequestKey(Access.API, found.name, found)
+        return RequestKey(access, fingerprint(token)) if access is not Access.NONE else None
 
     @property
     def admin_enabled(self) -> bool:
@@ -51,7 +81,7 @@ class KeyRing:
     def access(self, token: bytes) -> Access:
         """What this token opens. Every key is compared, in constant time each."""
         api = admin = False
-        for key in self.api:
+        for key in (*self.api, *(k for k, _ in self.named)):
             api |= hmac.compare_digest(token, key)
         for key in self.admin:
             admin |= hmac.compare_digest(token, key)
@@ -63,7 +93,8 @@ class KeyRing:
         """What the configured key with this fingerprint opens now (NONE: no such key any more)."""
         if any(fingerprint(k) == key_id for k in self.admin):
             return Access.ADMIN
-        return Access.API if any(fingerprint(k) == key_id for k in self.api) else Access.NONE
+        api = (*self.api, *(k for k, _ in self.named))
+        return Access.API if any(fingerprint(k) == key_id for k in api) else Access.NONE
 
 
 class RefusalBudget:

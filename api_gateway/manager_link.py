@@ -36,6 +36,11 @@ log = logging.getLogger("api_gateway.manager_link")
 MAX_MANAGER_MESSAGE_BYTES = 64 << 20
 
 
+def _log_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.error("could not report to the manager: %s", sent.exception())
+
+
 def exit_task_died(name: str, exc: BaseException) -> None:
     """Until a gateway says otherwise: a long-lived task that kept failing ends the process
     (TASK_DIED), so the manager replaces it instead of leaving it serving nothing."""
@@ -74,6 +79,7 @@ class ManagerLink:
         # Set (and replaced) on each model event: an admin verb's answer waits on it until this
         # gateway's view shows the change the manager said is done (api_gateway/admin.py).
         self.changed = asyncio.Event()
+        self.admits: dict[int, asyncio.Future] = {}  # Admit tickets waiting for the manager's Admitted
 
     def _new_link(self, group: str) -> EngineLink:
         link = EngineLink(group, str(self.paths.engine(group)), self.ctx, self.identity.encode(), wake=self.wake,
@@ -148,6 +154,10 @@ class ManagerLink:
                                                 m.start_s, m.config_id, m.loras, m.unfit)
                             if m.step_deadline_s is not None:
                                 self.on_deadline(m.name, m.step_deadline_s, m.incarnation)
+                    elif isinstance(reply, MP.Admitted):
+                        waiter = self.admits.pop(reply.ticket, None)
+                        if waiter is not None and not waiter.done():
+                            waiter.set_result(reply)
                     elif isinstance(reply, MP.ApiKeys):
                         self.on_api_keys(reply)
                         await self.control.send(MP.encoder.encode(MP.KeysApplied(component=self.component,
@@ -199,7 +209,8 @@ class ManagerLink:
         msg = MP.encoder.encode(MP.GroupHung(model=link.model, incarnation=link.incarnation))
         self.tasks.start(self._report(msg), f"report {link.model} hung")
 
-    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack | MP.LoraReply | MP.LogLines:
+    async def ask(self, msg, timeout_s: float = 10.0) -> MP.StatusReply | MP.Ack | MP.LoraReply | MP.LogLines | \
+            MP.UsageReply:
         """One request to the manager and its answer, on a connection of its own (as the CLI's),
         so the answer cannot be confused with what the manager sends the gateway's own socket."""
         sock = self.ctx.socket(zmq.DEALER)
@@ -214,9 +225,33 @@ class ManagerLink:
                 reply = MP.control_out_decoder.decode(await sock.recv())
         finally:
             sock.close()
-        if not isinstance(reply, (MP.StatusReply, MP.Ack, MP.LoraReply, MP.LogLines)):
+        if not isinstance(reply, (MP.StatusReply, MP.Ack, MP.LoraReply, MP.LogLines, MP.UsageReply)):
             raise ValueError(f"unexpected answer {type(reply).__name__}")
         return reply
+
+    async def admit(self, msg: MP.Admit, timeout_s: float) -> MP.Admitted:
+        """A limited key's request: may it start (the manager counts every gateway's)? On the
+        gateway's own control socket, its answer paired by ticket in ``follow``."""
+        waiter = self.admits[msg.ticket] = asyncio.get_running_loop().create_future()
+        try:
+            # event-proof: the manager answers an Admit at once; bounded so a stuck manager is a 503.
+            async with asyncio.timeout(timeout_s):
+                await self.control.send(MP.encoder.encode(msg))
+                return await waiter
+        finally:
+            self.admits.pop(msg.ticket, None)
+
+    def report_now(self, msg) -> None:
+        """A message for the manager queued at once (not in a later task: a usage report goes
+        before the answer's last bytes, so a gateway killed after them has sent it)."""
+        if self.control is None:  # not connected (a gateway built without its manager: the unit tests')
+            return
+        try:
+            sent = self.control.send(MP.encoder.encode(msg))
+        except zmq.ZMQError as exc:
+            log.error("could not report to the manager: %s", exc)
+            return
+        sent.add_done_callback(_log_failure)
 
     def report(self, msg) -> None:
         """A message for the manager that needs no answer (sent in the background, bounded)."""

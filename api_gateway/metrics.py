@@ -148,3 +148,24 @@ def merge_exposition(texts: list[str]) -> bytes:
                 samples.append(line)
     out = [line for header, samples in families.values() for line in (*header, *samples)]
     return ("\n".join(out) + "\n").encode() if out else b""
+
+
+# Usage per key and model (the manager's ledger, kept across restarts: monotonic as counters must be).
+KEY_COUNTERS = (("requests", "Requests per API key and model"),
+                ("prompt_tokens", "Prompt tokens per API key and model"),
+                ("completion_tokens", "Completion tokens per API key and model"),
+                ("errors", "Requests answered with an error, per API key and model"))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def key_usage_exposition(rows) -> bytes:
+    """``servectl_key_*_total`` counters from the manager's usage rows (``UsageRow``)."""
+    out = []
+    for field, help_text in KEY_COUNTERS:
+        name = f"servectl_key_{field}_total"
+        out += [f"# HELP {name} {help_text} (kept across restarts)", f"# TYPE {name} counter"]
+        out += [f'{name}{{key="{_label(r.key)}",model="{_label(r.model)}"}} {getattr(r, field)}' for r in rows]
+    return ("\n".join(out) + "\n").encode()

@@ -21,7 +21,7 @@ from api_gateway import tracing as T
 from api_gateway.admin import LORA_PATHS
 from api_gateway.errors import HttpError, error_body, http_error_body
 from api_gateway.http_policy import CorsPolicy, HostPolicy
-from api_gateway.keys import Access, KeyRing, bearer_token
+from api_gateway.keys import OPEN, KeyRing, RequestKey, bearer_token
 from api_gateway.logfields import escape
 from api_gateway.metrics import Metrics
 from api_gateway.passthrough import MESSAGES_PREFIX, POOLING_PATHS, anthropic_error_body
@@ -52,11 +52,13 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 class Middleware:
     """The gateway's middleware; ``keys`` gives the keys in force now (a reload replaces them)."""
 
-    def __init__(self, hosts: HostPolicy, cors: CorsPolicy, metrics: Metrics, keys: Callable[[], KeyRing]):
+    def __init__(self, hosts: HostPolicy, cors: CorsPolicy, metrics: Metrics, keys: Callable[[], KeyRing],
+                 finished: Callable[[web.Request, int], None] = lambda request, status: None):
         self.hosts = hosts
         self.cors = cors
         self.metrics = metrics
         self.keys = keys
+        self.finished = finished  # the end of every request: its key's usage and slot (tenancy.py)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -79,9 +81,9 @@ class Middleware:
                 response = web.Response(status=204, headers=self.cors.preflight_headers(
                     origin, request.headers.get("Access-Control-Request-Headers")))
             else:
-                if not self.keys().api_open and (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
+                if (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
                         and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
-                    self.check_auth(request)
+                    request["key"] = OPEN if self.keys().api_open else self.check_auth(request)
                 if span is None:
                     response = await handler(request)
                 else:
@@ -111,34 +113,40 @@ class Middleware:
 
     def access(self, request: web.Request, status: int, started: float, rid: str) -> None:
         """The access log line (every client-given field escaped) and the request counter."""
+        self.finished(request, status)
         info = request["log"]
         ms = (time.monotonic() - started) * 1000
         # The JSON log (servectl/logjson.py) shows the same as fields (a text log ignores them).
+        key = request.get("key")
         fields = {"method": request.method, "path": request.path, "status": status, "model": info.get("model"),
+                  "key": key.label if key is not None else None,
                   "prompt_tokens": info.get("prompt_tokens"), "completion_tokens": info.get("completion_tokens"),
                   "duration_ms": round(ms, 1)}
         span = request.get("span")
         if span is not None:
             fields.update(log_ids(span))
             T.end_server_span(span, status, info)
-        access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s",
+        access_log.info("%s %s %d model=%s prompt_tokens=%s completion_tokens=%s %.1fms rid=%s%s",
                         escape(request.method), escape(request.path), status, escape(str(info.get("model", "-"))),
                         info.get("prompt_tokens", "-"), info.get("completion_tokens", "-"), ms, rid,
+                        f" key={key.label}" if key is not None and key is not OPEN else "",
                         extra={"request_id": rid, "fields": fields})
         self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
                                      status=str(status)).inc()
 
-    def check_auth(self, request: web.Request) -> None:
+    def check_auth(self, request: web.Request) -> RequestKey:
         # Header values arrive decoded with surrogateescape: encode them back the same way,
         # so bytes that are not UTF-8 are just a wrong key.
         header = request.headers.get("Authorization")
         # Anthropic's SDK sends its key as x-api-key (`vllm serve` reads only Authorization).
         token = bearer_token(header.encode("utf-8", "surrogateescape")) if header is not None else \
             request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
-        if self.keys().access(token) is Access.NONE:  # an admin key is an API key too
+        key = self.keys().identify(token)  # an admin key is an API key too
+        if key is None:
             raise HttpError(401, "missing or invalid API key (send `Authorization: Bearer <key>` or `x-api-key`)",
                             "authentication_error", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
+        return key
 
     async def add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """Every answer to an allowed origin says so (streams too: this runs as headers go out)."""

@@ -119,8 +119,7 @@ class ApiEndpoints:
         g = self.gateway
         with T.span("servectl.admission"):
             model = g.model_for(model)
-            request["log"]["model"] = model
-            link = g.link_for(model)
+            link = await g.keyed_link(request, model)
             if g.draining:
                 raise HttpError(503, "the server is shutting down", "service_unavailable",
                                 headers={"Retry-After": "5"})
@@ -128,6 +127,7 @@ class ApiEndpoints:
             seqs = pooling_sequences(forward) if request.path in POOLING_PATHS else 1
             check_sequences(seqs, g.cfg.max_sequences_per_request, forward)
             g.check_room(link, seqs)
+            g.keygate.prioritise(request, kind, forward, seqs)
             gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward,
                               answer_id=secrets.token_hex(8))
             run = g.generator.run(link, [gen], 1, prefix_key(forward))
@@ -229,3 +229,4 @@ class Counts:
     def observe(self, gateway, request: web.Request, model: str, started: float) -> None:
         request["log"].update(prompt_tokens=self.prompt, completion_tokens=self.completion)
         gateway.generator.observe_counts(model, self.prompt, self.completion, started, self.first_token_at)
+        gateway.generator.on_usage(request, 200)

@@ -215,6 +215,9 @@ def engine_args(model) -> dict[str, Any]:
     """The model's vLLM engine arguments; its ``override_generation_config`` goes to vLLM's
     argument of that name (the server's default sampling parameters), over any given there."""
     args = dict(model.engine_args)
+    # The gateways' fair share between keys is each request's priority (api_gateway/fair_share.py);
+    # with every priority 0 this orders as "fcfs" does. A model's own setting wins.
+    args.setdefault("scheduling_policy", "priority")
     if model.override_generation_config:
         args["override_generation_config"] = {**(args.get("override_generation_config") or {}),
                                               **model.override_generation_config}

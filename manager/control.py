@@ -37,7 +37,9 @@ from manager.children import Child
 from manager.control_access import FROM_CHILDREN, MAX_MESSAGE_BYTES, Caller, peer_of, refusal
 from manager.gateways import GatewayPool
 from manager.group import EngineGroup
+from manager.limits import KeyLimits
 from manager.served import ServedModels
+from manager.usage import UsageLedger
 from manager.verbs import ModelVerbs
 from servectl.paths import RuntimePaths
 from servectl.tasks import Tasks
@@ -56,6 +58,8 @@ class ControlHost(Protocol):
     gateways: GatewayPool
     served: ServedModels  # LoRA and freezing changes
     verbs: ModelVerbs  # load, unload, restart
+    limits: KeyLimits  # the named keys' limits, across every gateway
+    usage: UsageLedger  # usage per key and model, kept in the state directory
     shutting_down: bool
 
     def status(self) -> P.StatusReply: ...
@@ -110,6 +114,9 @@ class ControlServer:
             P.LoadLora: self.on_lora_change,
             P.UnloadLora: self.on_lora_change,
             P.LoraDone: self.on_lora_done,
+            P.Admit: self.on_admit,
+            P.Finished: self.on_finished,
+            P.UsageRequest: self.on_usage,
         }
 
     def bind(self, paths: RuntimePaths) -> None:
@@ -353,3 +360,17 @@ class ControlServer:
 
     def on_set_freezing(self, caller: Caller, msg: P.SetFreezing) -> None:
         self.reply(caller, self.host.served.set_freezing(msg.model, msg.enabled))
+
+    # ---- keys: limits and usage (docs/tenancy.md) -------------------------------------
+    def on_admit(self, caller: Caller, msg: P.Admit) -> None:
+        self.reply(caller, self.host.limits.admit(msg.key, (caller.ident, msg.ticket), time.monotonic()))
+
+    def on_finished(self, caller: Caller, msg: P.Finished) -> None:
+        self.host.usage.add(msg.key, msg.model, msg.prompt_tokens, msg.completion_tokens, msg.error, time.time())
+        self.host.limits.finish(msg.key, (caller.ident, msg.ticket) if msg.ticket else None,
+                                msg.prompt_tokens + msg.completion_tokens, time.monotonic())
+
+    def on_usage(self, caller: Caller, msg: P.UsageRequest) -> None:
+        now = time.time()
+        since = msg.since if msg.since is not None else 0.0
+        self.reply(caller, P.UsageReply(since=since // 60 * 60, until=now, rows=self.host.usage.rows(msg.since)))

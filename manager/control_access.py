@@ -23,7 +23,8 @@ from servectl.wire.spawn import ENGINE, GATEWAY, parse_component
 # Messages only the manager's own children send: accepted only from the very process
 # (by the kernel's pid of the connection) that may send each.
 # A gateway's LogTail is the status page's (api_gateway/ui.py): logs can hold request text.
-FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused, P.LogTail)
+# Admit and Finished: only a gateway may take a key's slot or count its usage.
+FROM_GATEWAYS = (P.GroupHung, P.WakeModel, P.KeysApplied, P.HttpRefused, P.LogTail, P.Admit, P.Finished)
 FROM_ENGINES = (P.GroupFrozen, P.GroupDrained, P.GroupIdle, P.GroupReleased, P.EngineFailed, P.StepDeadlineChanged,
                 P.LoraDone)
 FROM_CHILDREN = (*FROM_GATEWAYS, *FROM_ENGINES, P.ChildReady)

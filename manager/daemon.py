@@ -37,12 +37,14 @@ from manager.cluster_member import ClusterMember
 from manager.control import ControlServer
 from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
+from manager.limits import KeyLimits
 from manager.reload import Reloader
 from manager.sdnotify import notify
 from manager.served import ServedModels
 from manager.spans import GroupSpans
 from manager.standbys import StandbyPool
 from manager.start_gate import StartGate
+from manager.usage import UsageLedger
 from manager.verbs import ModelVerbs
 from manager.watch import ChildWatch
 from servectl import config as C
@@ -94,6 +96,8 @@ class Manager:
         self.ctx = zmq.asyncio.Context()
         self.watcher = ChildWatch(instance, self.pids, self.check_settled)
         self.control = ControlServer(self, self.ctx)
+        self.limits = KeyLimits(cfg.gateway.keys)  # the named keys' limits, across every gateway
+        self.usage = UsageLedger(state_dir / "usage")  # usage per key and model (opened in run)
         self.standbys = StandbyPool(self)
         accelerator = has_accelerator()
         self.start_gate = StartGate(accelerator)  # one start at a time per device
@@ -175,7 +179,8 @@ class Manager:
         self.control.send(peer.encode(), msg)
 
     def abort_peer_everywhere(self, peer: str) -> None:
-        """A gateway died: every engine drops the requests it sent."""
+        """A gateway died: every engine drops the requests it sent, and its keys' slots are free."""
+        self.limits.gateway_gone(peer.encode())
         for group in self.groups.values():
             self.send_to_engine(group, P.AbortPeer(peer=peer))
 
@@ -383,10 +388,12 @@ class Manager:
         if self.cluster is not None:
             loops.append(("cluster listener", self.cluster.serve))
         control_tasks = [self.tasks.keep(factory, name, give_up=self.task_died) for name, factory in loops]
+        self.usage.open(time.time())
         for group in self.groups.values():
             self.served.start_group(group)
         self.gateways.start_all()
         await self.done.wait()
+        self.usage.close()
         for task in control_tasks:
             task.cancel()
         try:  # the children are gone: their sockets and files too, before the lock is let go

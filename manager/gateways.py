@@ -50,7 +50,7 @@ class GatewayHost(Protocol):
 
 def keys_of(cfg: C.GatewayConfig) -> P.ApiKeys:
     """The keys a gateway with this [gateway] section checks (API keys, admin keys)."""
-    return P.ApiKeys(keys=list(cfg.api_keys), admin_keys=list(cfg.admin_keys))
+    return P.ApiKeys(keys=list(cfg.api_keys), admin_keys=list(cfg.admin_keys), named=list(cfg.keys))
 
 
 class GatewayProcess:
@@ -223,7 +223,8 @@ class GatewayPool:
         # ones are refused at once, not once each gateway's turn to restart comes.
         await self.rotate_keys()
         if msgspec.structs.replace(old, api_keys=gateway.api_keys, api_key_file=gateway.api_key_file,
-                                   admin_keys=gateway.admin_keys, admin_key_file=gateway.admin_key_file) == gateway:
+                                   admin_keys=gateway.admin_keys, admin_key_file=gateway.admin_key_file,
+                                   keys=gateway.keys) == gateway:
             return  # only the keys changed: nothing to restart
         for gw in list(self.members):
             await self.stop(gw, grace)

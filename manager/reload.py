@@ -17,6 +17,7 @@ from typing import Protocol
 
 from manager.budget import Budget
 from manager.gateways import GatewayPool
+from manager.limits import KeyLimits
 from manager.rollout import Rollout
 from manager.sdnotify import notify
 from manager.served import ServedModels
@@ -65,6 +66,7 @@ class ReloadHost(Protocol):
     overrides: C.Overrides
     settings: C.ManagerConfig  # replaced by the new [manager] section
     gateway_cfg: C.GatewayConfig
+    limits: KeyLimits
     served: ServedModels
     budget: Budget
     start_gate: StartGate
@@ -150,6 +152,7 @@ class Reloader:
             else:
                 h.standbys.release_model(group.name)
         if plan.gateway is not None:
+            h.limits.set_keys(plan.gateway.keys)  # a kept name keeps its counts
             try:
                 await h.gateways.replace(plan.gateway)
             except OSError as exc:  # the new address cannot be bound: the gateways keep the old one

@@ -105,6 +105,6 @@ def test_a_link_says_the_managers_word_that_put_it_in_its_state(said, word):
 # ---- each shared constant written once ---------------------------------------------------------------
 
 def test_shared_constants_have_one_definition():
-    assert audit.READ_ONLY is CP.READ_ONLY == (CP.StatusRequest, CP.WaitSettled)
+    assert audit.READ_ONLY is CP.READ_ONLY == (CP.StatusRequest, CP.WaitSettled, CP.UsageRequest)
     assert C.NAME_PATTERN == rf"^{MODEL_NAME}\Z" and paths._MODEL is MODEL_NAME
     assert re.match(C.NAME_PATTERN, "m.1-x_2") and not re.match(C.NAME_PATTERN, "m:1")

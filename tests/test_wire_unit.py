@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, Overrides
+from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, NamedKey, Overrides
 from servectl.wire import control as CP
 from servectl.wire import status as WS
 from servectl.wire import engine as EP
@@ -114,7 +114,24 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     CP.Ack: [CP.Ack(ok=False, message="no model 'x'"), CP.Ack(ok=True), CP.Ack(ok=True, done=False)],
     # manager → whoever started it (JSON on the --report-fd pipe)
     CP.StartupFailed: [CP.StartupFailed(message="127.0.0.1:8000 is already in use", exit_code=1)],
-    CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"], admin_keys=["sk-admin"]), CP.ApiKeys(keys=[])],
+    CP.ApiKeys: [CP.ApiKeys(keys=["sk-new", "sk-other"], admin_keys=["sk-admin"],
+                            named=[NamedKey(name="team-a", key="sk-a", max_concurrent_requests=2, models=["m.1"])]),
+                 CP.ApiKeys(keys=[])],
+    # tenancy: gateways ⇄ manager (limits, usage)
+    CP.Admit: [CP.Admit(ticket=7, key="team-a", model="m.1")],
+    CP.Admitted: [CP.Admitted(ticket=7, ok=True, window=CP.Window(limit_tokens=100, remaining_tokens=40,
+                                                                  reset_tokens_s=12.5)),
+                  CP.Admitted(ticket=8, ok=False, limit="requests", retry_after_s=3.5, message="rate limit reached",
+                              window=CP.Window(limit_requests=6, remaining_requests=0, reset_requests_s=3.5))],
+    CP.Finished: [CP.Finished(key="team-a", model="m.1", ticket=7, prompt_tokens=5, completion_tokens=9, error=True),
+                  CP.Finished(key="(none)", model="m.1")],
+    CP.UsageRequest: [CP.UsageRequest(since=1.5e9), CP.UsageRequest()],
+    CP.UsageReply: [CP.UsageReply(since=60.0, until=125.5, rows=[CP.UsageRow(key="team-a", model="m.1", requests=2,
+                                                                             prompt_tokens=5, completion_tokens=9,
+                                                                             errors=1)])],
+    CP.UsageRow: [CP.UsageRow(key="team-a", model="m.1", requests=2, prompt_tokens=5, completion_tokens=9, errors=1)],
+    CP.Window: [CP.Window(limit_requests=6, remaining_requests=0, reset_requests_s=3.5, limit_tokens=100,
+                          remaining_tokens=40, reset_tokens_s=12.5)],
     # control: manager → engine
     CP.AbortPeer: [CP.AbortPeer(peer="gw-0-123")],
     CP.FreezingControl: [CP.FreezingControl(enabled=True, grace_s=2.0), CP.FreezingControl(enabled=False)],

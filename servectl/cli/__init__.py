@@ -22,7 +22,7 @@ from servectl.cli.common import CONFIG_ERROR, NO_PERMISSION, say
 from servectl.cli.config_check import config
 from servectl.cli.lifecycle import start, status, stop
 from servectl.cli.models import freeze, load, lora, reload, restart, unload
-from servectl.cli.watch import events, logs
+from servectl.cli.watch import events, logs, usage
 from servectl.client import PermissionDenied
 from servectl.messages import one_line
 from servectl.paths import UntrustedDirectory
@@ -64,5 +64,5 @@ def main() -> None:
     """Serve LLMs with a supervisor that owns every process."""
 
 
-for verb in (start, stop, status, restart, reload, load, unload, freeze, lora, events, logs, config):
+for verb in (start, stop, status, restart, reload, load, unload, freeze, lora, events, logs, usage, config):
     main.add_command(verb)

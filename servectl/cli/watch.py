@@ -1,20 +1,23 @@
 """The verbs that watch the daemon: `events` follows its state changes, `logs` shows (or
-follows) its components' log files, also a stopped daemon's.
+follows) its components' log files, also a stopped daemon's; `usage` its usage per key.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import click
+import msgspec
 
 from servectl.cli import common
 from servectl.cli.common import CONFIG_ERROR, not_running, runtime_option, say, status_or_exit
 from servectl.client import MAX_REPLY_BYTES, ControlClient, NotRunning
 from servectl.paths import resolve_runtime_dir, verify_dir
+from servectl.wire import control as P
 from servectl.wire import status as WS
 
 
@@ -70,3 +73,23 @@ def logs(runtime_dir, component, lines, follow):
             sys.exit(CONFIG_ERROR)
     argv = ["tail", "-n", str(lines), *(["-F"] if follow else []), *map(str, files)]
     os.execvp("tail", argv)
+
+
+@click.command()
+@runtime_option
+@click.option("--since", type=float, default=None, help="Unix seconds (default: all that is kept).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, as GET /servectl/v1/usage answers.")
+def usage(runtime_dir, since, as_json):
+    """Usage per API key and model: requests, prompt and completion tokens, errors (docs/tenancy.md)."""
+    client = common.client_for(runtime_dir)
+    try:
+        reply = client.request(P.UsageRequest(since=since))
+    except NotRunning as exc:
+        not_running(exc)
+    if as_json:
+        click.echo(json.dumps({"since": reply.since, "until": reply.until, "data": msgspec.to_builtins(reply.rows)}))
+        return
+    click.echo(f"{'KEY':<24} {'MODEL':<24} {'REQUESTS':>9} {'PROMPT':>10} {'COMPLETION':>11} {'ERRORS':>7}")
+    for r in reply.rows:
+        click.echo(f"{r.key:<24} {r.model:<24} {r.requests:>9} {r.prompt_tokens:>10} {r.completion_tokens:>11} "
+                   f"{r.errors:>7}")

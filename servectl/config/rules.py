@@ -83,7 +83,47 @@ def finalize(cfg: Config, path: Path | None = None) -> Config:
     gw = cfg.gateway
     gw.api_keys = _keys(gw.api_keys, gw.api_key_file, "api", path)
     gw.admin_keys = _keys(gw.admin_keys, gw.admin_key_file, "admin", path)
+    _named_keys(cfg, path)
     return cfg
+
+
+def _named_keys(cfg: Config, path: Path | None) -> None:
+    """[[gateway.keys]]: each with one key (``key`` or ``key_file``'s first word), checked as any
+    API key; names and keys unique (no key also unnamed or an admin key: one name per key); the
+    models named served here (or adapters of them)."""
+    where = f" in {path}" if path else ""
+    gw = cfg.gateway
+    names: set[str] = set()
+    served = {m.name for m in cfg.models} | {lora.name for m in cfg.models for lora in m.lora_modules
+                                             if hasattr(lora, "name")}
+    taken = set(gw.api_keys) | set(gw.admin_keys)
+    for i, named in enumerate(gw.keys):
+        at = f"gateway.keys[{i}] ({named.name})"
+        if named.name in names:
+            raise ConfigError(f"config error{where}: {at}: the name is used twice (usage is counted by name)")
+        names.add(named.name)
+        if (named.key is None) == (named.key_file is None):
+            raise ConfigError(f"config error{where}: {at}: give `key` or `key_file` (one of them)")
+        if named.key_file is not None:
+            try:
+                words = Path(named.key_file).read_text().split()
+            except OSError as exc:
+                raise ConfigError(f"config error{where}: {at}.key_file: cannot read {named.key_file}: "
+                                  f"{exc.strerror}") from None
+            if not words:
+                raise ConfigError(f"config error{where}: {at}.key_file: {named.key_file} holds no key")
+            named.key, named.key_file = words[0], None
+        why = api_key_problem(named.key)
+        if why:
+            raise ConfigError(f"config error{where}: {at}.key: {why}")
+        if named.key in taken:
+            raise ConfigError(f"config error{where}: {at}.key: the same key is already configured (in api_keys, "
+                              "admin_keys or another named key): one key, one name")
+        taken.add(named.key)
+        unknown = [m for m in named.models or () if m not in served]
+        if unknown:
+            raise ConfigError(f"config error{where}: {at}.models: {unknown[0]!r} is not a model served here "
+                              f"({', '.join(sorted(served))})")
 
 
 def replica_devices(m: ModelConfig, where: str = "", accelerator: bool = False) -> list[str | None]:

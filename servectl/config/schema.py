@@ -42,6 +42,28 @@ IdleRelease = IdleMode
 SleepLevel = Literal[1, 2]
 
 
+# A named key's name: in logs, metrics labels and the usage file (never the key itself).
+KEY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z"
+
+
+class NamedKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A ``[[gateway.keys]]`` entry: a team's API key, its name, its limits across every
+    gateway process (docs/tenancy.md), its share of a saturated model and the models it may use."""
+
+    name: Annotated[str, msgspec.Meta(pattern=KEY_NAME_PATTERN)]
+    key: str | None = None
+    key_file: str | None = None  # its first word is the key (the file is read at start and reload)
+    max_concurrent_requests: PositiveInt | None = None
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None  # prompt + completion tokens of requests finished in 60 s
+    weight: PositiveFloat = 1.0  # its share of a saturated model against other keys'
+    models: list[str] | None = None  # None: every model; a LoRA adapter is allowed by its own name or its model's
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.max_concurrent_requests or self.requests_per_minute or self.tokens_per_minute)
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
@@ -83,6 +105,11 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # key is. None configured: those routes do not exist (404).
     admin_keys: list[str] = []
     admin_key_file: str | None = None
+    # Named API keys ([[gateway.keys]]): usage counted per name, limits, a weight, allowed models.
+    keys: list[NamedKey] = []
+    # Keys share a saturated model by weight (vLLM's priority scheduling: each request's priority
+    # is its key's fair-share tag; an engine started with scheduling_policy = "fcfs" ignores it).
+    fair_share: bool = True
     # Host names answered besides localhost names and loopback IPs. Bound to a
     # loopback address, any other Host gets 421 (no DNS rebinding); bound
     # elsewhere the check applies only when this is set. ["*"]: no check.
@@ -291,6 +318,8 @@ def redacted(cfg: Config) -> Config:
     out = msgspec.convert(msgspec.to_builtins(cfg), Config)
     out.gateway.api_keys = [REDACTED] * len(out.gateway.api_keys)
     out.gateway.admin_keys = [REDACTED] * len(out.gateway.admin_keys)
+    for named in out.gateway.keys:
+        named.key = REDACTED if named.key is not None else None
     for m in out.models:
         m.env = dict.fromkeys(m.env, REDACTED)
         m.replica_env = [dict.fromkeys(env, REDACTED) for env in m.replica_env]
