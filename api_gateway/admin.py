@@ -126,8 +126,8 @@ class AdminRoutes:
         access = keys.access(token)
         if access is Access.ADMIN:
             return self.caller(request, fingerprint(token))
-        if access is Access.API:
-            self.refused(request, fingerprint(token), 403, "an API key, not an admin key")
+        if access is Access.API:  # named in the audit log by its name if it has one, else its fingerprint
+            self.refused(request, keys.identify(token).label, 403, "an API key, not an admin key")
             raise HttpError(403, "this route needs an admin key (gateway.admin_keys); an API key is not one",
                             "permission_error", code="admin_key_required")
         self.refused(request, None, 401, "no key" if not token else "not a configured key")

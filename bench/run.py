@@ -213,8 +213,10 @@ class Servectl(Server):
     name = "servectl"
 
     def __init__(self, workdir: Path, env: dict | None = None, label: str = "servectl", warm_standby: bool = True,
-                 engine_args: dict | None = None, code: Path | None = None, start_env: dict | None = None):
+                 engine_args: dict | None = None, code: Path | None = None, start_env: dict | None = None,
+                 sections: str = ""):
         super().__init__(workdir)
+        self.sections = sections  # more of the config file ([gateway] and its keys: bench.fair_share)
         self.runtime = workdir / f"rt-{label}"
         self.extra_env = env or {}
         self.extra_engine_args = engine_args or {}  # TOML values as written (true, 8, "x")
@@ -243,7 +245,7 @@ class Servectl(Server):
         config = self.workdir / f"{self.name}.toml"
         env_lines = "".join(f'{k} = "{v}"\n' for k, v in self.extra_env.items())
         arg_lines = "".join(f"{k} = {v}\n" for k, v in self.extra_engine_args.items())
-        config.write_text(f'[manager]\nwarm_standby = {str(self.warm_standby).lower()}\n'
+        config.write_text(f'{self.sections}[manager]\nwarm_standby = {str(self.warm_standby).lower()}\n'
                           f'[[models]]\nname = "default"\nmodel = "{DEFAULT_MODEL_DIR}"\n'
                           f'[models.engine_args]\nenforce_eager = true\nkv_cache_memory_bytes = {KV_BYTES}\n'
                           f'max_model_len = {MAX_MODEL_LEN}\ndtype = "{DTYPE}"\n{arg_lines}'

@@ -22,40 +22,17 @@ import pytest
 from conftest import DEFAULT_MODEL_DIR, DaemonFactory, http, wait_for
 
 ADMIN = "sk-admin-tenancy"
-KEYS = {name: f"sk-{name}-0123456789" for name in ("usage", "ledger", "alpha", "beta", "gamma", "flood", "solo")}
+# Each named key's settings beyond its name and key.
+SETTINGS = {"usage": 'models = ["default"]', "ledger": 'models = ["default"]', "alpha": "max_concurrent_requests = 1",
+            "beta": "tokens_per_minute = 40", "gamma": 'models = ["second"]', "flood": "", "solo": ""}
+KEYS = {name: f"sk-{name}-0123456789" for name in SETTINGS}
 USAGE = "/servectl/v1/usage"
 CONFIG = f"""[manager]
 warm_standby = false
 backoff_initial_s = 0.3
 [gateway]
 admin_keys = ["{ADMIN}"]
-[[gateway.keys]]
-name = "usage"
-key = "{KEYS['usage']}"
-models = ["default"]
-[[gateway.keys]]
-name = "ledger"
-key = "{KEYS['ledger']}"
-models = ["default"]
-[[gateway.keys]]
-name = "alpha"
-key = "{KEYS['alpha']}"
-max_concurrent_requests = 1
-[[gateway.keys]]
-name = "beta"
-key = "{KEYS['beta']}"
-tokens_per_minute = 40
-[[gateway.keys]]
-name = "gamma"
-key = "{KEYS['gamma']}"
-models = ["second"]
-[[gateway.keys]]
-name = "flood"
-key = "{KEYS['flood']}"
-[[gateway.keys]]
-name = "solo"
-key = "{KEYS['solo']}"
-[[models]]
+""" + "".join(f'[[gateway.keys]]\nname = "{name}"\nkey = "{KEYS[name]}"\n{extra}\n' for name, extra in SETTINGS.items()) + f"""[[models]]
 name = "default"
 model = "{DEFAULT_MODEL_DIR}"
 [models.engine_args]
@@ -235,6 +212,29 @@ def test_a_saturated_model_is_shared_between_keys_not_first_come_first_served(d)
     assert sorted(order) == ["flood"] * 8 + ["solo"]
     after = len(order) - 1 - order.index("solo")
     assert after >= 4, f"flood's requests that started after solo's: {after} (order {order})"
+
+
+def test_a_reload_changes_a_keys_limit_without_dropping_a_request(d):
+    """alpha's limit raised to 2 by `servectl reload` while one of its streams runs: the stream
+    finishes whole, and a second concurrent one is admitted, a third refused. An API key on an
+    admin route is audited by its name."""
+    running = Stream(d, "alpha", 400)
+    running.start()
+    assert running.started.wait(120) and running.status == 200
+    d.config_path.write_text(CONFIG.replace("max_concurrent_requests = 1", "max_concurrent_requests = 2"))
+    d.cli("reload", check=True, timeout=120)
+    second = Stream(d, "alpha", 400)
+    second.start()
+    assert second.started.wait(120) and second.status == 200, "the raised limit admits a second"
+    if running.is_alive() and second.is_alive():
+        assert completion(d, "alpha").status == 429
+    for s in (running, second):
+        s.join(120)
+    assert (running.status, running.chunks, second.chunks) == (200, 400, 400)
+    assert http(d, "GET", "/servectl/v1/models", key=KEYS["alpha"]).status == 403
+    denied = d.runtime_dir / "state" / "audit-denied.log"
+    wait_for(lambda: denied.exists() and '"alpha"' in denied.read_text(), 30, what="the refusal audited by name")
+    assert KEYS["alpha"] not in denied.read_text()
 
 
 def test_usage_per_key_equals_the_responses_and_survives_a_gateway_kill_and_a_restart(d):

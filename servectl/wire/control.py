@@ -180,7 +180,7 @@ class HttpCaller(msgspec.Struct, kw_only=True, frozen=True):
     """Who sent a command over the gateway's HTTP management routes (the audit log's "who"
     for those: the manager sees only the gateway process)."""
 
-    key_id: str | None  # the admin key's fingerprint (never the key); None: no valid key was sent
+    key_id: str | None  # the key's fingerprint, or a named key's name (never the key); None: no valid key was sent
     address: str  # the client's address as the gateway saw it
     gateway: str  # the gateway's component name
     route: str = ""  # the HTTP method and path
