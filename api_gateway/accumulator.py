@@ -146,6 +146,10 @@ class ResponseAccumulator:
             return H.CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return None if null else msgspec.UNSET
 
+    def so_far(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of what came so far: an answer that ends early still used them."""
+        return sum(self.prompt_tokens), self.completion_tokens
+
     def usage(self, whole: bool = False) -> H.Usage:
         """The answer's usage; a whole body's writes the details vLLM's model_dump does, null or not."""
         prompt = sum(self.prompt_tokens)

@@ -155,6 +155,9 @@ class Gateway(Admission):
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         link = self.link_for(name)
+        allowed = self.keygate.models_of(request)  # a key with a models list sees only those
+        if allowed is not None and name not in allowed and link.model not in allowed:
+            raise HttpError(404, f"model {name!r} not found", param="model", code="model_not_found")
         card = self.card(name) if name in self.served else \
             self.adapter_card(link, next(lora for lora in link.loras if lora.name == name))
         return web.Response(body=H.encoder.encode(card), content_type="application/json")

@@ -52,6 +52,7 @@ class Generator:
         acc = ResponseAccumulator(req, chat, len(run.gens), f"{'chatcmpl' if chat else 'cmpl'}-{base}",
                                   keep=not req.stream)
         run.restart = acc.restart  # a choice that runs again from its start (nothing of it was sent)
+        request["tally"] = acc.so_far  # what it used if it ends early (tenancy.py)
         if req.stream:
             return await self.stream(request, req, run, acc, hold)
         return await self.complete(request, req, run, acc)

@@ -147,6 +147,7 @@ class ApiEndpoints:
     async def complete(self, request: web.Request, run, model: str) -> web.Response:
         started = time.monotonic()
         body, tokens = "", Counts()
+        request["tally"] = tokens.so_far  # what it used if it ends early (tenancy.py)
         gen = run.deltas()
         try:
             async for _, d in gen:
@@ -190,6 +191,7 @@ class EventFraming:
         self.model = model
         self.started = time.monotonic()
         self.counts = Counts()
+        request["tally"] = self.counts.so_far  # what it used if it ends early (tenancy.py)
         self.events = 0  # written so far: an error event's sequence_number
 
     def frames(self, item) -> tuple[bytes, ...]:
@@ -225,6 +227,9 @@ class Counts:
             self.completion += len(d.token_ids)
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
+
+    def so_far(self) -> tuple[int, int]:
+        return self.prompt, self.completion
 
     def observe(self, gateway, request: web.Request, model: str, started: float) -> None:
         request["log"].update(prompt_tokens=self.prompt, completion_tokens=self.completion)

@@ -97,6 +97,9 @@ class KeyGate:
             return
         self.tickets += 1
         ticket = self.tickets
+        # Counted before the round trip: a timeout or the client going away during it still gives
+        # the slot back at the request's end (the manager may take the Admit all the same).
+        request["counted"] = Counted(model, ticket)
         try:
             answer = await self.manager.admit(MP.Admit(ticket=ticket, key=key.label, model=model), self.timeout_s)
         except TimeoutError:
@@ -107,21 +110,20 @@ class KeyGate:
             headers["Retry-After"] = str(max(1, math.ceil(answer.retry_after_s)))
             raise HttpError(429, answer.message, "tokens" if answer.limit == "tokens" else "requests",
                             code="rate_limit_exceeded", headers=headers)
-        request["counted"] = Counted(model, ticket)
         if headers:
             request.setdefault("extra_headers", {}).update(headers)
 
     def prioritise(self, request: web.Request, kind: str, forward: dict, seqs: int) -> None:
-        """The fair share's tag as the request's ``priority``, unless the client set one (vLLM's
-        meaning kept)."""
+        """The fair share's tag as the request's ``priority``; a client's own ``priority`` (vLLM's
+        field) may put its request further back, never ahead of its key's turn."""
         key, counted = self.key_of(request), request.get("counted")
-        if self.fair is None or key is None or counted is None or kind not in PRIORITY_KINDS or \
-                forward.get("priority") is not None:
+        if self.fair is None or key is None or counted is None or kind not in PRIORITY_KINDS:
             return
         weight = key.named.weight if key.named is not None else 1.0
         tag = self.fair.start(counted.model, key.label, weight, seqs)
         request["counted"] = counted._replace(tag=tag, sequences=seqs)
-        forward["priority"] = tag
+        asked = forward.get("priority")
+        forward["priority"] = max(asked, tag) if isinstance(asked, int) and not isinstance(asked, bool) else tag
 
     def finished(self, request: web.Request, status: int) -> None:
         """The end of a request that named a served model: its usage and slot to the manager."""
@@ -132,7 +134,10 @@ class KeyGate:
         if counted.tag is not None and self.fair is not None:
             self.fair.done(counted.model, key.label, counted.tag, counted.sequences)
         info = request["log"]
+        prompt, completion = info.get("prompt_tokens"), info.get("completion_tokens")
+        tally = request.get("tally")
+        if prompt is None and tally is not None:  # ended early (the client gone, an error): what it used
+            prompt, completion = tally()
         self.manager.report_now(MP.Finished(key=key.label, model=counted.model, ticket=counted.ticket,
-                                            prompt_tokens=info.get("prompt_tokens") or 0,
-                                            completion_tokens=info.get("completion_tokens") or 0,
-                                            error=status >= 400 or bool(info.get("failed"))))
+                                            prompt_tokens=prompt or 0, completion_tokens=completion or 0,
+                                            error=status >= 400))

@@ -388,7 +388,11 @@ class Manager:
         if self.cluster is not None:
             loops.append(("cluster listener", self.cluster.serve))
         control_tasks = [self.tasks.keep(factory, name, give_up=self.task_died) for name, factory in loops]
-        self.usage.open(time.time())
+        try:
+            self.usage.open(time.time())
+        except OSError as exc:  # not worth refusing to serve over: counted in memory, said loudly
+            log.error("usage per key is not kept in %s (%s): counted in memory until the next start",
+                      self.usage.dir, exc)
         for group in self.groups.values():
             self.served.start_group(group)
         self.gateways.start_all()

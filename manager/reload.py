@@ -152,7 +152,6 @@ class Reloader:
             else:
                 h.standbys.release_model(group.name)
         if plan.gateway is not None:
-            h.limits.set_keys(plan.gateway.keys)  # a kept name keeps its counts
             try:
                 await h.gateways.replace(plan.gateway)
             except OSError as exc:  # the new address cannot be bound: the gateways keep the old one
@@ -160,5 +159,6 @@ class Reloader:
                 log.error("reload: %s", message)
                 notify("READY=1\nSTATUS=serving; reload: gateway address refused")
                 return False, f"gateway not reloaded: {message}"
+            h.limits.set_keys(plan.gateway.keys)  # as the gateways check them now; a name keeps its counts
         notify("READY=1\nSTATUS=serving")
         return True, f"reloaded: {plan.summary()}" + "".join(f"; {name} {way}" for name, way in ways.items())

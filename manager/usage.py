@@ -25,6 +25,7 @@ log = logging.getLogger("manager.usage")
 
 SNAPSHOT = "ledger.json"
 MINUTES_KEPT_S = 2 * 86400  # older minutes become hours at the next start
+ROLL_LINES = 100_000  # a log this long is folded into the snapshot while running (a start reads little)
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "errors")
 
 Bucket = tuple[int, str, str]  # (start: unix seconds, key, model)
@@ -38,6 +39,8 @@ class UsageLedger:
         self.buckets: dict[Bucket, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self.totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self.fd = -1
+        self.number = 0  # the current log's
+        self.lines = 0  # written to it
 
     def open(self, now: float) -> None:
         """Read what is kept, write it back as one snapshot, and start a new log."""
@@ -47,27 +50,50 @@ class UsageLedger:
         if snap.exists():
             try:
                 data = json.loads(snap.read_text())
-                absorbed = set(data.get("absorbed", ()))
-                for start, key, model, *counts in data.get("buckets", ()):
-                    self._add((int(start), key, model), counts)
-            except (OSError, ValueError, TypeError) as exc:
-                log.error("usage snapshot %s unreadable (%s): starting from the logs", snap, exc)
+                absorbed = set(data["absorbed"])
+                buckets = [((int(start), str(key), str(model)), [int(n) for n in counts])
+                           for start, key, model, *counts in data["buckets"]]
+            except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+                # Kept aside, not overwritten: what it held can still be read by hand.
+                aside = snap.with_suffix(f".unreadable-{int(now)}")
+                log.error("usage snapshot %s unreadable (%s): moved to %s; counting from the logs", snap, exc, aside)
+                os.replace(snap, aside)
+                absorbed, buckets = set(), []
+            for bucket, counts in buckets:
+                self._add(bucket, counts)
         logs = sorted((p for p in self.dir.glob("*.log") if p.stem.isdigit()), key=lambda p: int(p.stem))
         for path in logs:
             if path.name in absorbed:
                 continue
-            for line in path.read_bytes().splitlines():
-                try:
-                    start, key, model, *counts = json.loads(line)
-                    self._add((int(start), key, model), counts)
-                except (ValueError, TypeError):
-                    continue  # a line cut by a crash mid-write
+            with path.open("rb") as lines:
+                self._replay(lines)
         self._merge_old(now)
         self._write_snapshot([p.name for p in logs])
         for path in logs:
             path.unlink(missing_ok=True)
-        number = int(logs[-1].stem) + 1 if logs else 1
+        self._next_log(int(logs[-1].stem) + 1 if logs else 1)
+
+    def _replay(self, lines) -> None:
+        for line in lines:
+            try:
+                start, key, model, *counts = json.loads(line)
+                self._add((int(start), str(key), str(model)), counts)
+            except (ValueError, TypeError):
+                continue  # a line cut by a crash mid-write
+
+    def _next_log(self, number: int) -> None:
+        self.number, self.lines = number, 0
         self.fd = os.open(self.dir / f"{number}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+    def _roll(self) -> None:
+        """The current log folded into the snapshot (which has all the counts: they are in memory),
+        then removed, and a new one begun; a crash between leaves it named as absorbed."""
+        current = self.dir / f"{self.number}.log"
+        os.close(self.fd)
+        self.fd = -1
+        self._write_snapshot([current.name])
+        current.unlink(missing_ok=True)
+        self._next_log(self.number + 1)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -82,8 +108,11 @@ class UsageLedger:
         if self.fd >= 0:
             try:
                 os.write(self.fd, json.dumps([start, key, model, *counts], separators=(",", ":")).encode() + b"\n")
+                self.lines += 1
+                if self.lines >= ROLL_LINES:
+                    self._roll()
             except OSError as exc:
-                log.error("usage not written (%s): kept in memory until the next start", exc)
+                log.error("usage not written (%s): kept in memory, written at the next fold", exc)
 
     def rows(self, since: float | None) -> list[P.UsageRow]:
         """Per key and model, summed over the buckets that start at or after ``since`` (its minute)."""

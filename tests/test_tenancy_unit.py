@@ -266,3 +266,80 @@ def test_usage_counters_are_prometheus_text_with_key_and_model_labels():
     samples = {(s.labels["key"], s.labels["model"]): s.value for s in families["servectl_key_requests"].samples}
     assert samples == {("team-a", "m"): 3, ("(none)", 'we"ird'): 1}
     assert families["servectl_key_errors"].type == "counter"
+
+
+def test_a_long_log_is_folded_while_running_and_a_bad_snapshot_is_kept_aside(tmp_path, monkeypatch):
+    import manager.usage as U
+
+    monkeypatch.setattr(U, "ROLL_LINES", 3)
+    ledger = UsageLedger(tmp_path)
+    ledger.open(0.0)
+    for i in range(7):
+        ledger.add("a", "m", 1, 2, False, 60.0 * i)
+    ledger.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3.log", SNAPSHOT]  # 1.log and 2.log folded
+    again = UsageLedger(tmp_path)
+    again.open(1000.0)
+    assert (again.rows(None)[0].requests, again.rows(None)[0].completion_tokens) == (7, 14)
+    again.close()
+    (tmp_path / SNAPSHOT).write_text('{"absorbed": [], "buckets": [[0, "a", "m", "x"]]}')
+    third = UsageLedger(tmp_path)
+    third.open(2000.0)  # unreadable: moved aside, not overwritten; the counts start from the logs
+    assert (tmp_path / "ledger.unreadable-2000").exists() and third.rows(None) == []
+    third.close()
+
+
+class FakeManager:
+    def __init__(self, answer=None):
+        self.answer = answer
+        self.sent: list = []
+
+    async def admit(self, msg, timeout_s):
+        if self.answer is None:
+            raise TimeoutError
+        return self.answer
+
+    def report_now(self, msg):
+        self.sent.append(msg)
+
+
+def request_of(key) -> dict:
+    return {"key": key, "log": {}}
+
+
+def test_a_limited_keys_slot_is_given_back_when_the_manager_does_not_answer():
+    import asyncio
+
+    from api_gateway.errors import HttpError
+    from api_gateway.keys import RequestKey
+    from api_gateway.tenancy import KeyGate
+
+    manager = FakeManager()
+    gate = KeyGate(manager, fair_share=True)
+    req = request_of(RequestKey(Access.API, "a", named("a", max_concurrent_requests=1)))
+    gate.check_model(req, "m", "m")
+    with pytest.raises(HttpError) as info:
+        asyncio.run(gate.admit(req, "m"))
+    assert info.value.status == 503
+    gate.finished(req, 503)
+    (done,) = manager.sent
+    assert done.ticket == 1 and done.error  # the Admit may still be taken: its slot is given back
+
+
+def test_a_clients_priority_only_puts_its_request_back_and_an_early_end_reports_what_it_used():
+    from api_gateway.keys import RequestKey
+    from api_gateway.tenancy import KeyGate
+
+    manager = FakeManager()
+    gate = KeyGate(manager, fair_share=True)
+    key = RequestKey(Access.API, "a", named("a"))
+    first, second = request_of(key), request_of(key)
+    for req, asked in ((first, -100), (second, 5000)):
+        gate.check_model(req, "m", "m")
+        forward = {"priority": asked}
+        gate.prioritise(req, "chat", forward, 1)
+        req["forward"] = forward
+    assert first["forward"]["priority"] == 0 and second["forward"]["priority"] == 5000
+    first["tally"] = lambda: (7, 3)  # the client went away after 3 tokens
+    gate.finished(first, 499)
+    assert (manager.sent[0].prompt_tokens, manager.sent[0].completion_tokens, manager.sent[0].error) == (7, 3, True)

@@ -144,7 +144,7 @@ class Finished(_Msg, tag="finished"):
     ticket: int = 0  # its Admit's, 0: it held none
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error: bool = False  # answered with a 4xx or 5xx (or cut by an error after the headers)
+    error: bool = False  # answered with a 4xx or 5xx (499: the client went away)
 
 
 # ---- clients → manager ---------------------------------------------------
