@@ -360,6 +360,6 @@ def test_the_heads_manager_killed_leaves_nothing_of_the_group(cluster):
         return not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                        for pid in group)
 
-    wait_for(gone, 10, interval=0.2, what="every process of the group gone within 10 s")
+    wait_for(gone, 30, interval=0.2, what="every process of the group gone within 30 s")
     ranks_left = [c for c in cluster.member.status().children if c.kind == "worker" and c.pid]
     assert not ranks_left, ranks_left
