@@ -14,6 +14,7 @@ and wake are spans of their own. With tracing on and no traffic the tree still s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -267,20 +268,36 @@ def test_a_stream_across_a_worker_sigkill_is_one_trace_with_its_resume(traced, r
     assert restart[-1].attributes["servectl.new_incarnation"] == resume["servectl.incarnation"]
 
 
+def cpu_ticks(pid: int) -> int:
+    """The process's user and system time so far, in clock ticks (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def busy_one(pids: list[int], window_s: float = 0.3) -> int:
+    """Which of ``pids`` runs steps: an idle worker sleeps in the kernel and gains no ticks."""
+    before = [cpu_ticks(p) for p in pids]
+    time.sleep(window_s)
+    gained = [cpu_ticks(p) - b for p, b in zip(pids, before)]
+    assert max(gained) > 0 and gained.count(max(gained)) == 1, gained
+    return pids[gained.index(max(gained))]
+
+
 def test_a_failover_to_the_other_replica_is_an_event_with_a_link_to_it(traced, receiver):
-    """Two streams sent at once, one on each replica of "twin" (the least loaded takes the next).
-    Both replicas' workers are stopped once both streams have begun, so neither can finish; then
-    twin@0's is killed and twin@1's continued: the stream twin@0 ran goes on at once on twin@1,
-    whose start span the resume links to."""
+    """A stream on one replica of "twin", its worker stopped once the stream has begun; a second
+    stream then goes to the other replica (the least loaded takes the next), whose worker is stopped
+    once it has begun too, so neither can finish. Then the first replica's worker is killed and the
+    other's continued: the first stream goes on at once on the other replica, whose start span the
+    resume links to. One at a time, because a stream sent with the other could end before the
+    other's began (480 tokens take a few seconds)."""
     headers = [parent_header() for _ in range(2)]
     started = [threading.Event() for _ in headers]
-    go = threading.Barrier(len(headers))
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
             client = traced.openai(default_headers={"traceparent": headers[i][0]}, timeout=300)
-            go.wait(30)
             for n, _ in enumerate(client.completions.create(model="twin", prompt=f"def f{i}(", max_tokens=480,
                                                             stream=True, extra_body={"ignore_eos": True})):
                 if n >= 2:
@@ -288,17 +305,24 @@ def test_a_failover_to_the_other_replica_is_an_event_with_a_link_to_it(traced, r
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    workers = [traced.child(f"worker:twin@{r}:0").pid for r in range(2)]
+    workers = {traced.child(f"worker:twin@{r}:0").pid: f"twin@{r}" for r in range(2)}
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
+    stopped: list[int] = []
     try:
-        assert all(e.wait(120) for e in started)
+        for i, t in enumerate(threads):
+            t.start()
+            assert started[i].wait(120), errors
+            pid = busy_one([p for p in workers if p not in stopped])
+            os.kill(pid, signal.SIGSTOP)  # this replica takes no step more
+            stopped.append(pid)
     finally:
         for pid in workers:
-            os.kill(pid, signal.SIGSTOP)  # neither replica takes another step
-    os.kill(workers[0], signal.SIGKILL)
-    os.kill(workers[1], signal.SIGCONT)
+            if pid not in stopped:
+                os.kill(pid, signal.SIGSTOP)
+    first, other = stopped
+    with contextlib.suppress(ProcessLookupError):  # gone already if its engine judged it hung
+        os.kill(first, signal.SIGKILL)
+    os.kill(other, signal.SIGCONT)
     for t in threads:
         t.join(300)
     assert not errors, errors
@@ -311,10 +335,11 @@ def test_a_failover_to_the_other_replica_is_an_event_with_a_link_to_it(traced, r
     assert len(moved) == 1, "one stream ran on the killed replica"
     server, spans = moved[0]
     resume = dict(server.events)["servectl.resume"]
-    assert resume["servectl.replica"] == "twin@1"
-    starts = [s for s in receiver.named("servectl.engine.start") if s.resource.get("servectl.replica") == "twin@1"
+    assert resume["servectl.replica"] == workers[other]
+    starts = [s for s in receiver.named("servectl.engine.start")
+              if s.resource.get("servectl.replica") == workers[other]
               and s.resource.get("servectl.incarnation") == resume["servectl.incarnation"]]
     assert len(starts) == 1
     assert (starts[0].trace_id, starts[0].span_id) in {(t, s) for t, s, _ in server.links}
     engines = sorted((s for s in spans if s.name == "servectl.engine"), key=lambda s: s.start_ns)
-    assert [e.attributes["servectl.replica"] for e in engines] == ["twin@0", "twin@1"]
+    assert [e.attributes["servectl.replica"] for e in engines] == [workers[first], workers[other]]
