@@ -11,7 +11,8 @@ default: each request's vLLM priority is its key's rank), the ``fcfs`` side with
 priority 0: first come, first served). In each: B alone (``--solo-requests`` streaming requests one
 after another, 32-token prompts, 16 tokens out), then A's flood (``--flood`` concurrent streams in
 a closed loop, 64 tokens each, ignore_eos) and, once it has run ``--settle`` seconds, B again the
-same way; A's throughput during B's requests is its cost. B's TTFT is the time from sending its
+same way; A's throughput during B's requests is its cost. A's client is a process of its own (another
+team's), so B's event loop reads only B's lines. B's TTFT is the time from sending its
 request to its first token (as the client sees it). A cell is the median over rounds of each
 round's median, with [min – max] of the rounds.
 
@@ -62,27 +63,50 @@ async def one_stream(session: aiohttp.ClientSession, base: str, key: str, max_to
     return first if first is not None else float("nan"), tokens
 
 
+def flood_process(base: str, flood: int, tokens: "multiprocessing.sharedctypes.Synchronized",
+                  started: "multiprocessing.synchronize.Event", stop: "multiprocessing.synchronize.Event") -> None:
+    """Key A's flood, in a process of its own: another team's client, whose streams' lines are
+    never read by B's event loop (B's first token is timed as B's client alone would see it)."""
+
+    async def run() -> None:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def loop() -> None:
+                while not stop.is_set():
+                    _, n = await one_stream(session, base, "flood", 64)
+                    with tokens.get_lock():
+                        tokens.value += n
+
+            tasks = [asyncio.create_task(loop()) for _ in range(flood)]
+            started.set()
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
 async def measure(base: str, flood: int, solo_requests: int, settle: float) -> dict:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    tokens, started, stop = ctx.Value("q", 0), ctx.Event(), ctx.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for _ in range(3):  # warm-up
             await one_stream(session, base, "solo", 8)
         alone = [(await one_stream(session, base, "solo", 16))[0] for _ in range(solo_requests)]
-        stop = asyncio.Event()
-        flood_tokens = [0]
-
-        async def loop() -> None:
-            while not stop.is_set():
-                _, n = await one_stream(session, base, "flood", 64)
-                flood_tokens[0] += n
-
-        tasks = [asyncio.create_task(loop()) for _ in range(flood)]
-        await asyncio.sleep(settle)  # the flood reaches its steady state (every slot taken, the rest waiting)
-        before, t0 = flood_tokens[0], time.perf_counter()
-        loaded = [(await one_stream(session, base, "solo", 16))[0] for _ in range(solo_requests)]
-        flood_rate = (flood_tokens[0] - before) / (time.perf_counter() - t0)
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        proc = ctx.Process(target=flood_process, args=(base, flood, tokens, started, stop), daemon=True)
+        proc.start()
+        try:
+            assert started.wait(60), "the flood's process did not start"
+            await asyncio.sleep(settle)  # the flood reaches its steady state (every slot taken, the rest waiting)
+            before, t0 = tokens.value, time.perf_counter()
+            loaded = [(await one_stream(session, base, "solo", 16))[0] for _ in range(solo_requests)]
+            flood_rate = (tokens.value - before) / (time.perf_counter() - t0)
+        finally:
+            stop.set()
+            proc.join(120)
+            if proc.is_alive():
+                proc.kill()
     return {"alone_ttft_s": alone, "flooded_ttft_s": loaded, "flood_tok_s": flood_rate}
 
 

@@ -33,6 +33,7 @@ from engine_core.idle import build_choice, device_memory_in_use
 from engine_core.kv_events import vllm_config
 from engine_core.load_errors import describe, permanent_reason
 from engine_core.media import close_media_fetching
+from engine_core.slot_preemption import preempt_for_priority
 from engine_core.tracing import EngineTracing
 from engine_core.workers import (Signer, WorkerGroup, WorkerHung, executor_for, honour_async_scheduling_on_cpu,
                                  read_key)
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))
+            preempt_for_priority(engine)  # a better waiting request takes a full batch's slot
     except WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return ExitCode.HUNG

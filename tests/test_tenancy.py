@@ -36,7 +36,7 @@ admin_keys = ["{ADMIN}"]
 name = "default"
 model = "{DEFAULT_MODEL_DIR}"
 [models.engine_args]
-max_num_seqs = 2
+max_num_seqs = 4
 [[models]]
 name = "second"
 model = "{DEFAULT_MODEL_DIR}"
@@ -94,6 +94,9 @@ class Stream(threading.Thread):
                             self.started.set()
                     if self.stop.is_set():
                         return  # the client goes away mid-stream
+                if self.order is not None:
+                    with self.lock:
+                        self.order.append(f"{self.key}:end")
         except urllib.error.HTTPError as exc:
             self.status = exc.code
         finally:
@@ -195,23 +198,27 @@ def waiting(d) -> float:
 
 
 def test_a_saturated_model_is_shared_between_keys_not_first_come_first_served(d):
-    """The model runs 2 sequences at once; key "flood" sends 8, then key "solo" one: solo's starts
-    before most of flood's waiting ones (first come first served would start it last)."""
+    """The model runs 4 sequences at once; key "flood" sends 12 long streams, then key "solo" one:
+    solo's starts before any of flood's ends (its better priority takes a running one's slot,
+    engine_core/slot_preemption.py) and before every one of flood's waiting ones (first come first
+    served would start it last). With two gateways each counting its own, flood's first request
+    on each has solo's priority; four running hold at least one worse."""
     order: list[str] = []
     lock = threading.Lock()
-    flood = [Stream(d, "flood", 256, order, lock) for _ in range(8)]
+    flood = [Stream(d, "flood", 256, order, lock) for _ in range(12)]
     for s in flood:
         s.start()
-    wait_for(lambda: waiting(d) >= 6, 120, interval=0.05, what="6 of flood's requests waiting in the engine",
+    wait_for(lambda: len(order) >= 4 and waiting(d) >= 8, 120, interval=0.05,
+             what="4 of flood's requests started, 8 waiting in the engine",
              diagnose=lambda: f"waiting {waiting(d)}, started {order}")
     solo = Stream(d, "solo", 8, order, lock)
     solo.start()
     for s in (*flood, solo):
         s.join(300)
-    assert [s.status for s in (*flood, solo)] == [200] * 9
-    assert sorted(order) == ["flood"] * 8 + ["solo"]
-    after = len(order) - 1 - order.index("solo")
-    assert after >= 4, f"flood's requests that started after solo's: {after} (order {order})"
+    assert [s.status for s in (*flood, solo)] == [200] * 13
+    assert sorted(order) == ["flood"] * 12 + ["flood:end"] * 12 + ["solo"] + ["solo:end"]
+    assert "flood:end" not in order[:order.index("solo")], order
+    assert order[order.index("solo"):].count("flood") == 8, order
 
 
 def test_a_reload_changes_a_keys_limit_without_dropping_a_request(d):

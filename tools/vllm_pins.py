@@ -61,6 +61,18 @@ PINS = [
     Pin("EngineCore.batch_queue", "vllm.v1.engine.core:EngineCore.__init__",
         "engine_core/step_halves.py and engine_core/workers/step_calls.py engine_batch_queue read "
         "core.batch_queue (None without async scheduling)", attr="batch_queue"),
+    Pin("Scheduler.schedule", "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "engine_core/slot_preemption.py SlotPreemption wraps it: its full-batch test "
+        "(running + num_waiting_for_streaming_input >= max_num_active_reqs), the waiting requests it "
+        "skips, its victim order (priority, arrival_time)"),
+    Pin("Scheduler._preempt_request", "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
+        "engine_core/slot_preemption.py SlotPreemption.make_room calls it after popping the victim from running"),
+    Pin("Scheduler._request_blocks_can_be_freed",
+        "vllm.v1.core.sched.scheduler:Scheduler._request_blocks_can_be_freed",
+        "engine_core/slot_preemption.py SlotPreemption.make_room asks it before a preemption, as schedule() does"),
+    *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+          "engine_core/slot_preemption.py SlotPreemption.make_room reads it", attr=attr)
+      for attr in ("max_num_active_reqs", "num_waiting_for_streaming_input", "_pause_state", "kv_holding_waiting")),
     Pin("OutputProcessor.request_states", "vllm.v1.engine.output_processor:OutputProcessor.__init__",
         "engine_core/resume.py seed_detokenizer reads output_processor.request_states[request_id]",
         attr="request_states"),
