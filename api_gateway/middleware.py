@@ -113,7 +113,8 @@ class Middleware:
 
     def access(self, request: web.Request, status: int, started: float, rid: str) -> None:
         """The access log line (every client-given field escaped) and the request counter."""
-        self.finished(request, status)
+        # A stream that failed after its headers (status 200 sent) counts as an error in its key's usage.
+        self.finished(request, request["log"].get("stream_error") or status)
         info = request["log"]
         ms = (time.monotonic() - started) * 1000
         # The JSON log (servectl/logjson.py) shows the same as fields (a text log ignores them).

@@ -156,9 +156,9 @@ class ApiEndpoints:
                     body = d.api_output
         finally:
             await gen.aclose()
-        tokens.observe(self.gateway, request, model, started)
-        if not body:
+        if not body:  # before observe: its usage report would count the 500 a success
             raise HttpError(500, "the engine sent no answer", "internal_error")
+        tokens.observe(self.gateway, request, model, started)
         return web.Response(body=body.encode(), content_type="application/json")
 
     async def stream(self, request: web.Request, kind: str, run, model: str, hold=None) -> web.StreamResponse:

@@ -220,6 +220,7 @@ async def stream_answer(request: web.Request, run, hold: Callable[[], Awaitable[
         except HttpError as exc:
             if not sse.opened:
                 raise
+            request["log"]["stream_error"] = exc.status  # the access line says 200; its key's usage an error
             await sse.close()
             await sse.write(framing.error(exc))
         finally:

@@ -90,9 +90,9 @@ class ClusterMember:
                     log.warning("cluster: cannot reach head %s (%s): %s; trying again", head,
                                 self.cluster.hosts[head], why)
                     said = why
-                # The head is unreachable (down, or the link cut): nothing here can announce its return.
-                # event-proof: so the member dials again, backing off to REDIAL_S[1].
-                await asyncio.sleep(wait)
+                # The head is unreachable (down, or the link cut): nothing here can announce its return,
+                # so the member dials again, backing off to REDIAL_S[1].
+                await asyncio.sleep(wait)  # event-proof: nothing can announce the head's return
                 wait = min(REDIAL_S[1], wait * 2)
                 continue
             wait, said = REDIAL_S[0], None

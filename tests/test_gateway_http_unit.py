@@ -243,3 +243,36 @@ def test_a_large_batch_is_sent_without_stalling_the_event_loop():
         assert max(sends_in_turn.values()) <= YIELD_EVERY, sends_in_turn
 
     run(scenario)
+
+
+def test_usage_counts_a_stream_failed_after_its_headers_and_an_empty_answer_as_errors():
+    """The key's usage (the manager's ``Finished``) says error for a stream whose engine failed
+    after the 200 went out (the access line keeps the 200 the client got) and for a non-streaming
+    answer the engine left empty (a 500), never success first."""
+    from servectl.wire import control as MP
+
+    async def scenario(h):
+        sent = []
+        h.gw.manager.report_now = sent.append
+        await h.ready()
+        client = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "stream": True}))
+        gen = await h.engine.recv()
+        await h.engine.step(EP.Delta(request_id=gen.request_id, index=0, text="a", token_ids=[7],
+                                     prompt=EP.PromptInfo(tokens=1)))
+        await h.engine.send(EP.RequestError(incarnation=h.engine.incarnation, request_id=gen.request_id,
+                                            message="the engine failed", status=500))
+        status, body = await client
+        assert status == 200 and "the engine failed" in body, body
+        (streamed,) = [m for m in sent if isinstance(m, MP.Finished)]
+        assert streamed.error and (streamed.prompt_tokens, streamed.completion_tokens) == (1, 1)
+
+        client = asyncio.ensure_future(h.post("/v1/responses", {"model": "m", "input": "x"}))
+        gen = await h.engine.recv()
+        await h.engine.step(EP.Delta(request_id=gen.request_id, index=0, token_ids=[7], finish_reason="stop",
+                                     prompt=EP.PromptInfo(tokens=1)))  # no api_output: nothing to answer
+        status, body = await client
+        assert status == 500 and "no answer" in error_shape(body)["message"], body
+        empty = [m for m in sent if isinstance(m, MP.Finished)][1:]
+        assert [m.error for m in empty] == [True], empty
+
+    run(scenario)
