@@ -39,7 +39,7 @@ from manager.gateways import GatewayPool
 from manager.group import IDLE_RELEASED, EngineGroup, GroupState
 from manager.limits import KeyLimits
 from manager.reload import Reloader
-from manager.sdnotify import notify
+from manager.sdnotify import notify, start_watchdog
 from manager.served import ServedModels
 from manager.spans import GroupSpans
 from manager.standbys import StandbyPool
@@ -320,22 +320,6 @@ class Manager:
                 self.state = ManagerState.STOPPED
                 self.done.set()
 
-    def start_watchdog(self) -> None:
-        """systemd's watchdog: the one periodic wake-up, and only when systemd asks for it."""
-        usec = os.environ.get("WATCHDOG_USEC")
-        wpid = os.environ.get("WATCHDOG_PID")
-        if not usec or (wpid and int(wpid) != os.getpid()):
-            return
-        interval = int(usec) / 1e6 / 2
-        loop = asyncio.get_running_loop()
-
-        def ping() -> None:  # event-proof: systemd's watchdog protocol requires a periodic keep-alive
-            notify("WATCHDOG=1")
-            if not self.shutting_down:
-                loop.call_later(interval, ping)  # event-proof: systemd's watchdog (above)
-
-        ping()
-
     def kill_strays(self) -> None:
         """Kill grandchildren reparented to us (we are their subreaper)."""
         killed = kill_instance(self.instance, exclude={os.getpid()})  # by pidfd: a reused pid is never hit
@@ -361,7 +345,7 @@ class Manager:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-        self.start_watchdog()
+        start_watchdog(loop, lambda: self.shutting_down)
         self.events = self.ctx.socket(zmq.PUB)
         self.events.setsockopt(zmq.LINGER, 0)
         old = os.umask(0o177)

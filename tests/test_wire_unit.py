@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from servectl.config import NAME_PATTERN, Config, GatewayConfig, ModelConfig, NamedKey, Overrides
 from servectl.wire import control as CP
 from servectl.wire import status as WS
+from servectl.wire import tenancy as WT
 from servectl.wire import engine as EP
 from servectl.wire import spawn as SP
 from servectl.wire import worker as WW
@@ -251,7 +252,7 @@ def tag_of(cls: type) -> str | None:
 
 
 def test_every_message_has_samples():
-    defined = structs_of(CP) | structs_of(EP) | structs_of(SP) | structs_of(WS) | structs_of(WW)
+    defined = structs_of(CP) | structs_of(EP) | structs_of(SP) | structs_of(WS) | structs_of(WT) | structs_of(WW)
     assert defined == set(SAMPLES), f"add round-trip samples for {sorted(c.__name__ for c in defined - set(SAMPLES))}"
     for cls, samples in SAMPLES.items():
         assert samples and all(type(s) is cls for s in samples), cls

@@ -9,12 +9,15 @@ a malformed or unknown frame is dropped (and logged), never a crash.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 import msgspec
 
 from servectl.config import LoraModule, ModelConfig, NamedKey
 from servectl.wire.status import BudgetStatus, ChildStatus, ModelStatus
+# In the unions below, and named as control's (MP.Admit) where they are used.
+from servectl.wire.tenancy import (Admit, Admitted, Finished, LimitKind, UsageReply, UsageRequest,  # noqa: F401
+                                   UsageRow, Window)
 from servectl.wire.vocab import (AVAILABLE, ChildState, EventKind, EventState, ExitCode, IdleMode,  # noqa: F401
                                  ManagerState, ModelState, ReleaseMode)
 
@@ -121,40 +124,7 @@ class KeysApplied(_Msg, tag="keys_applied"):
     pid: int
 
 
-# A key's limit that refused a request (docs/tenancy.md).
-LimitKind = Literal["concurrency", "requests", "tokens"]
-
-
-class Admit(_Msg, tag="admit"):
-    """Gateway → manager: may a request of this named key, which has limits, start now? The
-    manager counts every gateway's (the limits are the server's); answered with ``Admitted``
-    on the gateway's own control socket, paired by ``ticket``."""
-
-    ticket: int
-    key: str  # the key's name
-    model: str
-
-
-class Finished(_Msg, tag="finished"):
-    """Gateway → manager: a request that named a model ended; its usage is counted (and kept
-    in the state directory) under its key's name, and its ``Admit`` slot (``ticket``) given back."""
-
-    key: str  # a named key's name, an unnamed key's fingerprint, or "(none)" (the API needs no key)
-    model: str
-    ticket: int = 0  # its Admit's, 0: it held none
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: bool = False  # answered with a 4xx or 5xx (499: the client went away)
-
-
 # ---- clients → manager ---------------------------------------------------
-
-class UsageRequest(_Msg, tag="usage"):
-    """Usage per key and model since a time (unix seconds; None: all that is kept). The owner's
-    (``servectl usage``) or a gateway's for an admin key (``GET /servectl/v1/usage``)."""
-
-    since: float | None = None
-
 
 class StatusRequest(_Msg, tag="status"):
     pass
@@ -331,46 +301,6 @@ class ApiKeys(_Msg, tag="api_keys"):
     keys: list[str]
     admin_keys: list[str] = []
     named: list[NamedKey] = []
-
-
-class Window(msgspec.Struct, kw_only=True):
-    """A key's rate limits now, as OpenAI's ``x-ratelimit-*`` headers say them (None: no such limit)."""
-
-    limit_requests: int | None = None
-    remaining_requests: int | None = None
-    reset_requests_s: float = 0.0
-    limit_tokens: int | None = None
-    remaining_tokens: int | None = None
-    reset_tokens_s: float = 0.0
-
-
-class Admitted(_Msg, tag="admitted"):
-    """The answer to ``Admit``: started (its concurrency slot held until ``Finished``), or
-    refused by ``limit`` (a 429 with ``Retry-After``)."""
-
-    ticket: int
-    ok: bool
-    limit: LimitKind | None = None
-    retry_after_s: float = 0.0
-    message: str = ""
-    window: Window = msgspec.field(default_factory=Window)
-
-
-class UsageRow(msgspec.Struct, kw_only=True):
-    key: str
-    model: str
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    errors: int = 0
-
-
-class UsageReply(_Msg, tag="usage_reply"):
-    """Usage per key and model from ``since`` (rounded down to the ledger's minute) to ``until``."""
-
-    since: float
-    until: float
-    rows: list[UsageRow] = []
 
 
 class LoraReply(_Msg, tag="lora_reply"):
