@@ -127,9 +127,9 @@ class ApiEndpoints:
             seqs = pooling_sequences(forward) if request.path in POOLING_PATHS else 1
             check_sequences(seqs, g.cfg.max_sequences_per_request, forward)
             g.check_room(link, seqs)
-            g.keygate.prioritise(request, kind, forward, seqs)
+            tag = g.keygate.prioritise(request, kind, forward, seqs)
             gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward,
-                              answer_id=secrets.token_hex(8))
+                              answer_id=secrets.token_hex(8), priority=tag)
             run = g.generator.run(link, [gen], 1, prefix_key(forward))
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from api_gateway.errors import HttpError
 from api_gateway.fair_share import FairShare
-from api_gateway.keys import RequestKey
+from api_gateway.keys import OPEN, RequestKey
 from servectl.wire import control as MP
 
 # Routes whose vLLM request class takes a `priority` (the fair share's); Messages and speech do not.
@@ -113,17 +113,29 @@ class KeyGate:
         if headers:
             request.setdefault("extra_headers", {}).update(headers)
 
-    def prioritise(self, request: web.Request, kind: str, forward: dict, seqs: int) -> None:
-        """The fair share's tag as the request's ``priority``; a client's own ``priority`` (vLLM's
-        field) may put its request further back, never ahead of its key's turn."""
+    def prioritise(self, request: web.Request, kind: str, forward: dict, seqs: int) -> int | None:
+        """The fair share's tag as the request's ``priority``: in the body for a kind whose vLLM
+        request class takes one (a client's own ``priority`` may put its request further back,
+        never ahead of its key's turn); returned for the others (Messages, speech: the engine
+        sets it, ``Generate.priority``). None: no tag (the fair share off, no model counted).
+
+        With the fair share off, a keyed client's ``priority`` is still never below 0: a better
+        priority takes a running request's slot (engine_core/slot_preemption.py), and one key
+        must not take another's that way (a server without keys passes it on as vLLM would)."""
         key, counted = self.key_of(request), request.get("counted")
-        if self.fair is None or key is None or counted is None or kind not in PRIORITY_KINDS:
-            return
+        asked = forward.get("priority")
+        asked = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+        if self.fair is None or key is None or counted is None:
+            if asked is not None and asked < 0 and key is not None and key != OPEN:
+                forward["priority"] = 0
+            return None
         weight = key.named.weight if key.named is not None else 1.0
         tag = self.fair.start(counted.model, key.label, weight, seqs)
         request["counted"] = counted._replace(tag=tag, sequences=seqs)
-        asked = forward.get("priority")
-        forward["priority"] = max(asked, tag) if isinstance(asked, int) and not isinstance(asked, bool) else tag
+        if kind not in PRIORITY_KINDS:
+            return tag
+        forward["priority"] = max(asked, tag) if asked is not None else tag
+        return None
 
     def finished(self, request: web.Request, status: int) -> None:
         """The end of a request that named a served model: its usage and slot to the manager."""

@@ -1,19 +1,22 @@
 """A saturated model shared between keys (issue 58): key B's time to first token while key A
 floods, with the fair share and without, against B alone.
 
-    python -m bench.fair_share                 # 3 alternating rounds (fair, fcfs, ...), ~5 minutes on 2 cores
+    python -m bench.fair_share                 # 3 alternating rounds of 3 sides, ~5 minutes on 2 cores
     python -m bench.fair_share --rounds 1 --flood 8 --solo-requests 3    # the harness only
 
 Each round starts a fresh servectl (no warm standbys: not under test) serving the bundled model
 with ``max_num_seqs`` (16 by default: at 64 streams, 48 wait, so the model is saturated) and two
-named keys, ``flood`` and ``solo``; the ``fair`` side with ``[gateway] fair_share = true`` (the
-default: each request's vLLM priority is its key's rank), the ``fcfs`` side with ``false`` (every
-priority 0: first come, first served). In each: B alone (``--solo-requests`` streaming requests one
-after another, 32-token prompts, 16 tokens out), then A's flood (``--flood`` concurrent streams in
-a closed loop, 64 tokens each, ignore_eos) and, once it has run ``--settle`` seconds, B again the
-same way; A's throughput during B's requests is its cost. A's client is a process of its own (another
-team's), so B's event loop reads only B's lines. B's TTFT is the time from sending its
-request to its first token (as the client sees it). A cell is the median over rounds of each
+named keys, ``flood`` and ``solo``, for each side: ``fair`` with ``[gateway] fair_share = true``
+(the default: each request's vLLM priority is its key's rank, and a better priority takes a
+running request's slot, engine_core/slot_preemption.py), ``fair-nopreempt`` the same with the
+slot preemption off (``SERVECTL_SLOT_PREEMPTION=0``: the priority orders only the waiting
+queue), ``fcfs`` with ``fair_share = false`` (every priority 0: first come, first served). In
+each: B alone (``--solo-requests`` streaming requests one after another, 32-token prompts, 16
+tokens out), then A's flood (``--flood`` concurrent streams in a closed loop, 64 tokens each,
+ignore_eos) and, once it has run ``--settle`` seconds, B again the same way; A's throughput
+(tokens counted as they stream) during B's requests is its cost. A's client is a process of its
+own (another team's), so B's event loop reads only B's lines. B's TTFT is the time from sending
+its request to its first token (as the client sees it). A cell is the median over rounds of each
 round's median, with [min – max] of the rounds.
 
 Results: ``bench/results/<date>-fair-share.{json,md}``.
@@ -33,21 +36,32 @@ from pathlib import Path
 import aiohttp
 
 from bench.run import ROOT, Servectl, machine
+from engine_core.slot_preemption import PREEMPTION_ENV
 
 KEYS = {"flood": "sk-bench-flood-0123456789", "solo": "sk-bench-solo-0123456789"}
 PROMPT = " ".join(["word"] * 31)  # ~32 tokens
 
 
-def keyed_servectl(workdir: Path, fair: bool, max_num_seqs: int) -> Servectl:
-    """bench.run's servectl, with the two named keys and the fair share on or off in its config."""
+# Each side: the fair share on or off, the slot preemption (engine_core/slot_preemption.py) on or off.
+SIDES = {"fair": (True, True), "fair-nopreempt": (True, False), "fcfs": (False, True)}
+LABELS = {"fair": "fair share (`fair_share = true`)",
+          "fair-nopreempt": "fair share, no slot preemption (`SERVECTL_SLOT_PREEMPTION=0`)",
+          "fcfs": "first come first served (`fair_share = false`)"}
+
+
+def keyed_servectl(workdir: Path, side: str, max_num_seqs: int) -> Servectl:
+    """bench.run's servectl, with the two named keys and the side's fair share and preemption."""
+    fair, preempt = SIDES[side]
     sections = f"[gateway]\nfair_share = {str(fair).lower()}\n" + "".join(
         f'[[gateway.keys]]\nname = "{name}"\nkey = "{key}"\n' for name, key in KEYS.items())
-    return Servectl(workdir, label="fair" if fair else "fcfs", warm_standby=False,
-                    engine_args={"max_num_seqs": max_num_seqs}, sections=sections)
+    return Servectl(workdir, label=side, warm_standby=False, engine_args={"max_num_seqs": max_num_seqs},
+                    sections=sections, env=None if preempt else {PREEMPTION_ENV: "0"})
 
 
-async def one_stream(session: aiohttp.ClientSession, base: str, key: str, max_tokens: int) -> tuple[float, int]:
-    """(seconds to the first token, tokens) of one streaming completion."""
+async def one_stream(session: aiohttp.ClientSession, base: str, key: str, max_tokens: int,
+                     counter=None) -> tuple[float, int]:
+    """(seconds to the first token, tokens) of one streaming completion; each token also counted
+    in ``counter`` (a shared value) as it comes."""
     body = {"model": "default", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     t0 = time.perf_counter()
@@ -58,12 +72,14 @@ async def one_stream(session: aiohttp.ClientSession, base: str, key: str, max_to
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 tokens += 1
+                if counter is not None:
+                    counter.value += 1
                 if first is None:
                     first = time.perf_counter() - t0
     return first if first is not None else float("nan"), tokens
 
 
-def flood_process(base: str, flood: int, tokens: "multiprocessing.sharedctypes.Synchronized",
+def flood_process(base: str, flood: int, tokens: "multiprocessing.sharedctypes.c_longlong",
                   started: "multiprocessing.synchronize.Event", stop: "multiprocessing.synchronize.Event") -> None:
     """Key A's flood, in a process of its own: another team's client, whose streams' lines are
     never read by B's event loop (B's first token is timed as B's client alone would see it)."""
@@ -72,10 +88,8 @@ def flood_process(base: str, flood: int, tokens: "multiprocessing.sharedctypes.S
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
             async def loop() -> None:
-                while not stop.is_set():
-                    _, n = await one_stream(session, base, "flood", 64)
-                    with tokens.get_lock():
-                        tokens.value += n
+                while not stop.is_set():  # counted token by token (this process alone writes it)
+                    await one_stream(session, base, "flood", 64, counter=tokens)
 
             tasks = [asyncio.create_task(loop()) for _ in range(flood)]
             started.set()
@@ -89,7 +103,7 @@ async def measure(base: str, flood: int, solo_requests: int, settle: float) -> d
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    tokens, started, stop = ctx.Value("q", 0), ctx.Event(), ctx.Event()
+    tokens, started, stop = ctx.RawValue("q", 0), ctx.Event(), ctx.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for _ in range(3):  # warm-up
             await one_stream(session, base, "solo", 8)
@@ -124,12 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     stem = args.out or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-fair-share.json"
-    raw: dict[str, list[dict]] = {"fair": [], "fcfs": []}
+    raw: dict[str, list[dict]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="servectl-fair-") as tmp:
         for r in range(args.rounds):
-            for fair in (True, False):
-                side = "fair" if fair else "fcfs"
-                server = keyed_servectl(Path(tmp), fair, args.max_num_seqs)
+            for side in SIDES:
+                server = keyed_servectl(Path(tmp), side, args.max_num_seqs)
                 try:
                     server.start()
                     if server.proc.wait(300) != 0:  # `servectl start` returns once the model serves
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
           f"the median of the {args.rounds} rounds' medians [min – max].", "",
           "| | B's TTFT alone (s) | B's TTFT, A flooding (s) | flooded / alone | A's tok/s during B |",
           "|---|---|---|---|---|"]
-    for side, label in (("fair", "fair share (`fair_share = true`)"), ("fcfs", "first come first served")):
+    for side, label in LABELS.items():
         row = rows[side]
         md.append(f"| {label} | {cell(row['alone'])} | {cell(row['flooded'])} | "
                   f"{statistics.median(row['ratio']):.2f}× [{min(row['ratio']):.2f} – {max(row['ratio']):.2f}] | "

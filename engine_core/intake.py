@@ -159,7 +159,10 @@ class Intake:
             log.exception("dropping request %s", rid)
 
     def _build(self, msg: P.Generate) -> Built:
-        return self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)
+        built = self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)
+        if msg.priority is not None:  # the fair share's, for a kind whose body carries none
+            built.priority = msg.priority
+        return built
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if idle.warning:
         log.warning("%s", idle.warning)
     factory = os.environ.get(ENGINE_FACTORY_ENV)
+    slots = None  # the slot preemption on the priority policy (slot_preemption.py), for the log at exit
     try:
         if factory:
             # The documented hook for benchmarks (bench/zero_cost.py): anything
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                    # vLLM's metrics carry model_name = this; the gateway shows them as they are.
                    "served_model_name": spec.model.name},
             ))
-            preempt_for_priority(engine)  # a better waiting request takes a full batch's slot
+            slots = preempt_for_priority(engine)  # a better waiting request takes a full batch's slot
     except WorkerHung as exc:
         log.error("engine start failed: %s", exc)
         return ExitCode.HUNG
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
     # which is a SIGTERM from the manager: log, then die of the signal (the manager reads that exit).
     def log_counters_and_die(signum, frame) -> None:
-        log.info("stopping: %s; %s", group.counters(), server.counters())
+        log.info("stopping: %s; %s%s", group.counters(), server.counters(),
+                 f"; slots taken by a better priority {slots.preempted}" if slots is not None else "")
         if traced is not None:
             traced.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -588,3 +588,17 @@ def test_a_librarys_panic_over_one_request_is_that_requests_400():
     assert not is_request_error(KeyboardInterrupt()) and not is_request_error(SystemExit(1))
     bad = refusal(panic)
     assert bad.status == 400 and "could not be parsed" in str(bad)
+
+
+def test_a_generates_own_priority_is_the_requests_where_its_body_carries_none(server):
+    """Messages and speech: vLLM's request classes have no ``priority``; the gateway's fair-share
+    tag comes in ``Generate.priority`` and is what the request is added with. None: the body's."""
+    added = {}
+    server.engine.add_request = lambda rid, prompt, params, priority=0, **kw: added.__setitem__(rid, priority)
+    del server._build  # the real one, over a builder that gives every request the body's priority 7
+    server.builder = SimpleNamespace(build=lambda kind, body, rid, aid: Built(
+        body["prompt"], SimpleNamespace(), 7, None, OutputSpec(chat=False, logprobs=0)))
+    server._on_generate(PEER, P.Generate(request_id="tagged", kind="messages", body={"prompt": "hi"}, priority=3000))
+    server._on_generate(PEER, P.Generate(request_id="plain", kind="completion", body={"prompt": "hi"}))
+    server._add_pending()
+    assert added == {"tagged": 3000, "plain": 7}

@@ -31,6 +31,19 @@ BLOCK = 16
 clock = itertools.count(1)
 
 
+def block_hasher():
+    """The prefix cache's block hasher, as vLLM's EngineCore makes it for each request."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    return get_request_block_hasher(BLOCK, fn)
+
+
+HASHER = block_hasher()
+
+
 def scheduler(policy: str = "priority", max_num_seqs: int = 2, kind: type = Scheduler) -> Scheduler:
     cache = CacheConfig(block_size=BLOCK)
     cache.num_gpu_blocks = 200
@@ -45,9 +58,9 @@ def scheduler(policy: str = "priority", max_num_seqs: int = 2, kind: type = Sche
                      block_size=BLOCK, log_stats=False)
 
 
-def request(rid: str, priority: int, max_tokens: int = 8) -> Request:
-    return Request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                   arrival_time=float(next(clock)), priority=priority)
+def request(rid: str, priority: int, max_tokens: int = 8, params: SamplingParams | None = None) -> Request:
+    return Request(rid, [1, 2, 3, 4, 5], params or SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                   arrival_time=float(next(clock)), priority=priority, block_hasher=HASHER)
 
 
 def step(s: Scheduler, token: int = 7):
@@ -180,3 +193,105 @@ def test_with_async_scheduling_the_preempted_ones_step_in_flight_is_delivered_on
             schedule_one()
     assert tokens == {"a0": 8, "a1": 8, "b": 8}
     assert all(len(r.output_token_ids) == 8 for r in reqs.values()) and slots.preempted == 1
+
+
+def test_one_request_does_not_pay_for_every_better_one():
+    """Better requests one after another: the running ones of the worst priority take turns at
+    being preempted (the least preempted first), not the same one each time."""
+    s = scheduler()
+    slots = SlotPreemption(s)
+    reqs = {rid: request(rid, 1000, max_tokens=60) for rid in ("a0", "a1")}
+    for r in reqs.values():
+        s.add_request(r)
+    step(s)
+    victims = []
+    for i in range(4):
+        b = request(f"b{i}", 0, max_tokens=2)
+        s.add_request(b)
+        out, _ = step(s)
+        victims.extend(out.preempted_req_ids)
+        while not b.is_finished():
+            step(s)
+        step(s)  # the preempted one resumes
+    assert victims == ["a1", "a0", "a1", "a0"] and slots.preempted == 4
+    while s.has_requests():
+        step(s)
+    assert [len(r.output_token_ids) for r in reqs.values()] == [60, 60]
+
+
+def test_a_preempted_request_at_the_head_takes_a_slot_back_from_a_worse_one():
+    """One preempted earlier (status PREEMPTED) that is the best waiting is as good as a new one:
+    had a worse one taken the slot meanwhile (vLLM skipped it for a step: async output still in
+    flight, say), it takes it back, and its key's order holds."""
+    s = scheduler()
+    slots = SlotPreemption(s)
+    a, worse, b = request("a", 500, max_tokens=30), request("worse", 2000, max_tokens=30), request("b", 0, 2)
+    s.add_request(request("x", 0, max_tokens=60))
+    s.add_request(a)
+    step(s)
+    s.add_request(b)
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"a"} and a.status is RequestStatus.PREEMPTED
+    s.add_request(worse)
+    skipped = {"a"}
+    real = s._handle_blocked_waiting_request
+    s._handle_blocked_waiting_request = lambda r: r.request_id not in skipped and real(r)
+    while not b.is_finished():
+        step(s)
+    _, ran = step(s)
+    assert "worse" in ran and "a" not in ran  # b's slot went to the worse one while a was skipped
+    skipped.clear()
+    out, ran = step(s)
+    assert out.preempted_req_ids == {"worse"} and "a" in ran and slots.preempted == 2
+
+
+def test_a_request_whose_grammar_is_compiled_preempts_and_one_still_compiling_does_not():
+    """A JSON-constrained request waits as WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until its grammar
+    is compiled; vLLM promotes it only inside its waiting pass, which a full batch never reaches."""
+    from concurrent.futures import Future
+
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    s = scheduler()
+    slots = SlotPreemption(s)
+    for rid in ("a0", "a1"):
+        s.add_request(request(rid, 1000, max_tokens=30))
+    step(s)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True))
+    constrained = request("json", 0, params=params)
+    constrained.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    compiling: Future = Future()
+    constrained.structured_output_request = StructuredOutputRequest(params.structured_outputs)
+    constrained.structured_output_request.grammar = compiling
+    s.waiting.add_request(constrained)
+    s.requests[constrained.request_id] = constrained
+    assert not slots.ready(constrained)
+    slots.make_room()
+    assert slots.preempted == 0 and len(s.running) == 2
+    compiling.set_result(object())  # compiled
+    assert slots.ready(constrained)
+    slots.make_room()
+    assert slots.preempted == 1 and len(s.running) == 1
+
+
+def test_no_second_slot_is_freed_for_a_request_vllm_skipped():
+    """A slot freed for the best waiting request that vLLM's waiting pass then skips (here: its
+    LoRA budget, which the estimate cannot see) goes to another; no second preemption for it."""
+    s = scheduler()
+    slots = SlotPreemption(s)
+    for rid in ("a0", "a1"):
+        s.add_request(request(rid, 1000, max_tokens=30))
+    step(s)
+    best = request("b", 0)
+    s.add_request(best)
+    skipped = {"b"}
+    real = s._handle_blocked_waiting_request
+    s._handle_blocked_waiting_request = lambda r: r.request_id not in skipped and real(r)
+    step(s)
+    step(s)
+    step(s)
+    assert slots.preempted == 1 and best.status is RequestStatus.WAITING  # one slot freed, not three
+    skipped.clear()
+    _, ran = step(s)  # runnable again: it takes the next slot that frees, none is freed for it
+    assert "b" not in ran and slots.preempted == 1

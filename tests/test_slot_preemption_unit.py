@@ -14,13 +14,20 @@ from engine_core.slot_preemption import victim_for
 pytestmark = pytest.mark.unit
 
 
-def req(priority: int, arrival: float, lora: int = 0):
-    return SimpleNamespace(priority=priority, arrival_time=arrival,
+def req(priority: int, arrival: float, lora: int = 0, preemptions: int = 0):
+    return SimpleNamespace(priority=priority, arrival_time=arrival, num_preemptions=preemptions,
                            lora_request=SimpleNamespace(lora_int_id=lora) if lora else None)
 
 
 def test_the_worst_priority_then_the_latest_arrival_is_the_victim():
     running = [req(0, 1), req(2000, 2), req(2000, 3), req(1000, 4)]
+    assert victim_for(running, req(0, 9)) is running[2]
+
+
+def test_among_the_worst_the_one_preempted_least_pays_then_the_latest():
+    running = [req(2000, 1), req(2000, 2, preemptions=1), req(2000, 3, preemptions=1), req(0, 4)]
+    assert victim_for(running, req(0, 9)) is running[0]
+    running[0].num_preemptions = 1
     assert victim_for(running, req(0, 9)) is running[2]
 
 

@@ -200,9 +200,10 @@ def waiting(d) -> float:
 def test_a_saturated_model_is_shared_between_keys_not_first_come_first_served(d):
     """The model runs 4 sequences at once; key "flood" sends 12 long streams, then key "solo" one:
     solo's starts before any of flood's ends (its better priority takes a running one's slot,
-    engine_core/slot_preemption.py) and before every one of flood's waiting ones (first come first
-    served would start it last). With two gateways each counting its own, flood's first request
-    on each has solo's priority; four running hold at least one worse."""
+    engine_core/slot_preemption.py) and before at least 6 of flood's (first come first served
+    would start it last). With two gateways each counting its own, flood's first request on each
+    has solo's priority 0, and its second on one gateway can take a slot from its fourth on the
+    other: at most 6 of flood's ever start before solo, and four running hold one worse than 0."""
     order: list[str] = []
     lock = threading.Lock()
     flood = [Stream(d, "flood", 256, order, lock) for _ in range(12)]
@@ -218,7 +219,7 @@ def test_a_saturated_model_is_shared_between_keys_not_first_come_first_served(d)
     assert [s.status for s in (*flood, solo)] == [200] * 13
     assert sorted(order) == ["flood"] * 12 + ["flood:end"] * 12 + ["solo"] + ["solo:end"]
     assert "flood:end" not in order[:order.index("solo")], order
-    assert order[order.index("solo"):].count("flood") == 8, order
+    assert order[order.index("solo"):].count("flood") >= 6, order
 
 
 def test_a_reload_changes_a_keys_limit_without_dropping_a_request(d):

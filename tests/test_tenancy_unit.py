@@ -343,3 +343,23 @@ def test_a_clients_priority_only_puts_its_request_back_and_an_early_end_reports_
     first["tally"] = lambda: (7, 3)  # the client went away after 3 tokens
     gate.finished(first, 499)
     assert (manager.sent[0].prompt_tokens, manager.sent[0].completion_tokens, manager.sent[0].error) == (7, 3, True)
+
+
+def test_messages_and_speech_get_the_tag_through_the_engine_and_keyed_clients_no_negative_priority():
+    from api_gateway.keys import RequestKey
+    from api_gateway.tenancy import KeyGate
+
+    gate = KeyGate(FakeManager(), fair_share=True)
+    key = RequestKey(Access.API, "a", named("a"))
+    first, second = request_of(key), request_of(key)
+    for req in (first, second):
+        gate.check_model(req, "m", "m")
+    assert gate.prioritise(first, "chat", {}, 1) is None  # in the body
+    forward: dict = {}
+    assert gate.prioritise(second, "messages", forward, 1) == SCALE and forward == {}  # Generate.priority
+    off = KeyGate(FakeManager(), fair_share=False)
+    for req_key, asked, sent in ((key, -5, 0), (RequestKey(Access.API, "fp-1234"), -5, 0), (key, 9, 9),
+                                 (OPEN, -5, -5)):
+        req, forward = request_of(req_key), {"priority": asked}
+        off.check_model(req, "m", "m")
+        assert off.prioritise(req, "chat", forward, 1) is None and forward["priority"] == sent, (req_key, asked)

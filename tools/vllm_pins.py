@@ -72,7 +72,14 @@ PINS = [
         "engine_core/slot_preemption.py SlotPreemption.make_room asks it before a preemption, as schedule() does"),
     *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
           "engine_core/slot_preemption.py SlotPreemption.make_room reads it", attr=attr)
-      for attr in ("max_num_active_reqs", "num_waiting_for_streaming_input", "_pause_state", "kv_holding_waiting")),
+      for attr in ("max_num_active_reqs", "num_waiting_for_streaming_input", "_pause_state", "kv_holding_waiting",
+                   "requires_kv_delivery", "prev_step_scheduled_req_ids")),
+    *(Pin(f"Request.{attr}", "vllm.v1.request:Request.__init__",
+          "engine_core/slot_preemption.py SlotPreemption.ready and victim_for read it", attr=attr)
+      for attr in ("num_stale_output_tokens", "drop_stale_output", "num_preemptions")),
+    Pin("Scheduler._handle_blocked_waiting_request",
+        "vllm.v1.core.sched.scheduler:Scheduler._handle_blocked_waiting_request",
+        "engine_core/slot_preemption.py SlotPreemption.ready mirrors which waiting requests it lets run"),
     Pin("OutputProcessor.request_states", "vllm.v1.engine.output_processor:OutputProcessor.__init__",
         "engine_core/resume.py seed_detokenizer reads output_processor.request_states[request_id]",
         attr="request_states"),

@@ -78,6 +78,9 @@ class Generate(_Msg, tag="generate"):
     # Tracing on: the W3C traceparent of the gateway's span for this engine lifetime of the
     # request; the engine's spans and vLLM's ``llm_request`` are its children.
     trace_parent: str = ""
+    # The fair share's priority for a kind whose vLLM request class has no ``priority`` field
+    # (Messages, speech): the engine gives it to the request it builds. None: the body's, or 0.
+    priority: int | None = None
 
 
 class Abort(_Msg, tag="abort"):
