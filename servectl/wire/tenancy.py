@@ -39,7 +39,8 @@ class Finished(_Msg, tag="finished"):
     ticket: int = 0  # its Admit's, 0: it held none
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error: bool = False  # answered with a 4xx or 5xx (499: the client went away)
+    # Answered with a 4xx or 5xx (499: the client went away), or a stream cut by one after its 200.
+    error: bool = False
 
 
 class UsageRequest(_Msg, tag="usage"):
