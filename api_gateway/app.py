@@ -30,8 +30,12 @@ from api_gateway import openai_types as H
 from api_gateway import tracing as T
 from api_gateway.admin import AdminRoutes
 from api_gateway.admission import Admission
+from api_gateway.batch_runner import BatchAuth, BatchRunner
+from api_gateway.batch_store import Store
+from api_gateway.batches_api import BatchesApi
 from api_gateway.bodies import read_body
 from api_gateway.errors import HttpError
+from api_gateway.files_api import FilesApi
 from api_gateway.generate import Generator
 from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.http_server import make_runner, raise_fd_limit
@@ -91,6 +95,15 @@ class Gateway(Admission):
         self.hosts = HostPolicy(self.cfg.host, self.cfg.allowed_hosts)
         self.cors = CorsPolicy(self.cfg.cors_origins)
         self.front = Middleware(self.hosts, self.cors, self.metrics, lambda: self.keys, self.keygate.finished)
+        # The Files and Batch APIs (docs/batch.md): their store on the disk, this gateway's runner
+        # sending its batches' lines to its own routes through a private socket.
+        self.store = Store(Path(spec.state_dir) if spec.state_dir else self.paths.root / "state")
+        self.front.batch = BatchAuth(lambda label: self.keys.by_label(label))
+        self.batch_socket = str(self.paths.root / f"batch-{spec.index}.sock")  # (uvloop connects to no abstract name)
+        self.runner = BatchRunner(self.store, spec.index, self.cfg.processes, lambda: self.cfg.batch,
+                                  self.front.batch, self.batch_socket)
+        self.files = FilesApi(self.store, lambda: self.cfg)
+        self.batches = BatchesApi(self.store, self.runner, lambda: self.cfg)
         self.created = int(time.time())
         # Set by SIGTERM/SIGINT, or when a long-lived task died past its restarts (task_died).
         self.stop = asyncio.Event()
@@ -257,6 +270,8 @@ class Gateway(Admission):
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         self.apis.add_to(app)
+        self.files.add_to(app)
+        self.batches.add_to(app)
         self.speech.add_to(app)
         self.admin.add_to(app)
         self.probes.add_to(app)
@@ -280,11 +295,17 @@ class Gateway(Admission):
         await runner.setup()
         site = web.SockSite(runner, sock)
         await site.start()
+        # The batch runner's way in: this process's alone (its predecessor's file is replaced), 0600.
+        Path(self.batch_socket).unlink(missing_ok=True)
+        await web.UnixSite(runner, self.batch_socket).start()
+        os.chmod(self.batch_socket, 0o600)
+        self.runner.resume()
         await self.manager.send_ready(gateway_component(self.spec.index), os.getpid())
         log.info("gateway %d serving on fd %d", self.spec.index, listen_fd)
         await stop.wait()
         # Drain: refuse new work, let in-flight requests finish (bounded), then go.
         self.draining = True
+        await self.runner.stop()  # its lines in flight are sent again by the runner that starts next
         self.ui.hub.close_all()  # open status pages' streams end (their browsers reconnect elsewhere)
         log.info("draining %d in-flight request(s)", self.in_flight)
         try:

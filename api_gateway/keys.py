@@ -89,6 +89,17 @@ class KeyRing:
             return Access.NONE
         return Access.ADMIN if admin else Access.API if api else Access.NONE
 
+    def by_label(self, label: str) -> RequestKey | None:
+        """The key configured now under this label (a named key's name, another key's
+        fingerprint, OPEN's when the API needs none); None: none is. A batch runs as its key."""
+        if self.api_open:
+            return OPEN if label == OPEN.label else None
+        for _, named in self.named:
+            if named.name == label:
+                return RequestKey(Access.API, named.name, named)
+        access = self.access_of(label)
+        return RequestKey(access, label) if access is not Access.NONE else None
+
     def access_of(self, key_id: str) -> Access:
         """What the configured key with this fingerprint opens now (NONE: no such key any more)."""
         if any(fingerprint(k) == key_id for k in self.admin):

@@ -19,6 +19,9 @@ from aiohttp import web
 
 from api_gateway import tracing as T
 from api_gateway.admin import LORA_PATHS
+from api_gateway.batch_runner import OWNER_HEADER as BATCH_OWNER
+from api_gateway.batch_runner import SECRET_HEADER as BATCH_SECRET
+from api_gateway.batch_runner import BatchAuth
 from api_gateway.errors import HttpError, error_body, http_error_body
 from api_gateway.http_policy import CorsPolicy, HostPolicy
 from api_gateway.keys import OPEN, KeyRing, RequestKey, bearer_token
@@ -59,6 +62,7 @@ class Middleware:
         self.metrics = metrics
         self.keys = keys
         self.finished = finished  # the end of every request: its key's usage and slot (tenancy.py)
+        self.batch: BatchAuth | None = None  # the batch runner's lines (set by the gateway)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -83,7 +87,10 @@ class Middleware:
             else:
                 if (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
                         and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
-                    request["key"] = OPEN if self.keys().api_open else self.check_auth(request)
+                    if BATCH_SECRET in request.headers and self.batch is not None:
+                        request["key"] = self.batch_line(request)
+                    else:
+                        request["key"] = OPEN if self.keys().api_open else self.check_auth(request)
                 if span is None:
                     response = await handler(request)
                 else:
@@ -134,6 +141,16 @@ class Middleware:
                         extra={"request_id": rid, "fields": fields})
         self.metrics.requests.labels(endpoint=request.path if request.path in self.metrics.endpoints else "other",
                                      status=str(status)).inc()
+
+    def batch_line(self, request: web.Request) -> RequestKey:
+        """A batch's line, sent by this gateway's runner (api_gateway/batch_runner.py): it runs as
+        the batch's key (its usage, its models), marked so that it goes at the lowest priority."""
+        key = self.batch.key_of(request.headers[BATCH_SECRET], request.headers.get(BATCH_OWNER, ""))
+        if key is None:
+            raise HttpError(401, "not this gateway's batch runner, or the batch's key is no longer configured",
+                            "authentication_error", code="invalid_api_key")
+        request["batch"] = True
+        return key
 
     def check_auth(self, request: web.Request) -> RequestKey:
         # Header values arrive decoded with surrogateescape: encode them back the same way,

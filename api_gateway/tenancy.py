@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 
 from aiohttp import web
 
+from api_gateway.batch_runner import BATCH_PRIORITY
 from api_gateway.errors import HttpError
 from api_gateway.fair_share import FairShare
 from api_gateway.keys import OPEN, RequestKey
@@ -93,8 +94,8 @@ class KeyGate:
     async def admit(self, request: web.Request, model: str) -> None:
         """A key with limits: the manager says whether it starts now (counted for every gateway)."""
         key = self.key_of(request)
-        if key is None or key.named is None or not key.named.limited:
-            return
+        if key is None or key.named is None or not key.named.limited or request.get("batch"):
+            return  # (a batch's lines go at the lowest priority instead: prioritise)
         self.tickets += 1
         ticket = self.tickets
         # Counted before the round trip: a timeout or the client going away during it still gives
@@ -123,6 +124,11 @@ class KeyGate:
         priority takes a running request's slot (engine_core/slot_preemption.py), and one key
         must not take another's that way (a server without keys passes it on as vLLM would)."""
         key, counted = self.key_of(request), request.get("counted")
+        if request.get("batch"):  # a batch's line: after every interactive request (batch_runner.py)
+            if kind not in PRIORITY_KINDS:
+                return BATCH_PRIORITY
+            forward["priority"] = BATCH_PRIORITY
+            return None
         asked = forward.get("priority")
         asked = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
         if self.fair is None or key is None or counted is None:

@@ -34,6 +34,7 @@ class GatewayHost(Protocol):
     settings: C.ManagerConfig
     gateway_cfg: C.GatewayConfig
     runtime_dir: Path
+    state_dir: Path
     instance: str
     log_dir: Path
     metrics_dir: Path
@@ -104,7 +105,7 @@ class GatewayPool:
         spec = spec_fd(GatewaySpec(
             index=gw.index, runtime_dir=str(host.runtime_dir), instance=host.instance, gateway=host.gateway_cfg,
             models=host.served_models(), drain_timeout_s=host.settings.drain_timeout_s,
-            ui_secret=self.ui_secret), "servectl-gateway-spec")
+            ui_secret=self.ui_secret, state_dir=str(host.state_dir)), "servectl-gateway-spec")
         fd = self.listen_sock.fileno()
         env = host.child_env({"PROMETHEUS_MULTIPROC_DIR": str(host.metrics_dir)})
         try:

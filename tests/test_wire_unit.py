@@ -216,7 +216,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                                 remote_ranks=[1], local_ranks=[0, 0], dead_after_s=3.0)],
     SP.GatewaySpec: [SP.GatewaySpec(index=1, runtime_dir="/rt", instance="f00d",
                                     gateway=GatewayConfig(port=0, processes=2, api_keys=["k"]), models=["a", "b"],
-                                    drain_timeout_s=5.0, ui_secret="ab" * 32)],
+                                    drain_timeout_s=5.0, ui_secret="ab" * 32, state_dir="/var/lib/servectl")],
     SP.ManagerSpec: [SP.ManagerSpec(config=Config(gateway=GatewayConfig(api_keys=["k"]), models=[MODEL]),
                                     config_path="/etc/servectl/servectl.toml",
                                     overrides=Overrides(port=0, engine_args={"x": 1})),

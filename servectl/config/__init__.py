@@ -13,7 +13,8 @@ from servectl.config.rules import (api_key_problem, apply_overrides, check_lora_
                                    lora_modules, memory_budget, replica_devices)
 from servectl.config.schema import (DEFAULT_ENGINE_ARGS, DEFAULT_FREEZE_GRACE_S, DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME,
                                     ENGINE_OFFLINE_ENV, FRONTEND_KEYS, LORA_NAME_PATTERN, NAME_PATTERN, REDACTED,
-                                    ClusterConfig, Config, ConfigError, GatewayConfig, GenerationKey, IdlePolicy, IdleRelease,
+                                    BatchConfig, ClusterConfig, Config, ConfigError, GatewayConfig, GenerationKey, IdlePolicy,
+                                    IdleRelease,
                                     LoraModule, ManagerConfig, ModelConfig, NamedKey, NonNegativeFloat, Overrides,
                                     PositiveFloat, PositiveInt, SleepLevel, decode, default_model, encode,
                                     output_identity, redacted)
@@ -21,7 +22,7 @@ from servectl.config.schema import (DEFAULT_ENGINE_ARGS, DEFAULT_FREEZE_GRACE_S,
 __all__ = [
     # schema
     "DEFAULT_ENGINE_ARGS", "DEFAULT_FREEZE_GRACE_S", "DEFAULT_MODEL_DIR", "DEFAULT_MODEL_NAME", "ENGINE_OFFLINE_ENV",
-    "FRONTEND_KEYS", "LORA_NAME_PATTERN", "NAME_PATTERN", "REDACTED", "ClusterConfig", "Config", "ConfigError", "GatewayConfig",
+    "FRONTEND_KEYS", "LORA_NAME_PATTERN", "NAME_PATTERN", "REDACTED", "BatchConfig", "ClusterConfig", "Config", "ConfigError", "GatewayConfig",
     "GenerationKey", "IdlePolicy", "IdleRelease", "LoraModule", "ManagerConfig", "ModelConfig", "NamedKey", "NonNegativeFloat",
     "Overrides", "PositiveFloat", "PositiveInt", "SleepLevel", "decode", "default_model", "encode",
     "output_identity", "redacted",

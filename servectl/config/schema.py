@@ -64,6 +64,21 @@ class NamedKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return bool(self.max_concurrent_requests or self.requests_per_minute or self.tokens_per_minute)
 
 
+class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[gateway.batch]``: the OpenAI Files and Batch APIs (docs/batch.md), their bounds."""
+
+    # How many of a batch's lines are in flight at once (each at the lowest priority: they fill
+    # what interactive requests leave, and a better priority takes their slot).
+    concurrency: PositiveInt = 16
+    max_file_bytes: PositiveInt = 200 * 1024 * 1024  # one uploaded file (OpenAI's limit)
+    max_lines: PositiveInt = 50_000  # one batch's input lines (OpenAI's limit)
+    max_in_progress_per_key: PositiveInt = 16  # batches not yet ended, per key
+    max_stored_bytes: PositiveInt = 10 * 1024 ** 3  # every stored file together (inputs and outputs)
+    # Files (inputs, outputs, error files) are deleted this long after they were made; a batch's
+    # record, this long after it ended. 0: kept until deleted.
+    expire_after_s: NonNegativeFloat = 30 * 24 * 3600.0
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
@@ -119,6 +134,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Addresses of reverse proxies that terminate TLS in front of the gateway: a request from
     # one with X-Forwarded-Proto: https gets the status page's session cookie marked Secure.
     tls_proxies: list[str] = []
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
 
 
 class ManagerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -109,6 +109,9 @@ class GatewaySpec(msgspec.Struct, kw_only=True):
     # The key that signs the status page's session cookies (api_gateway/ui.py), the same for every
     # gateway of the daemon; "" (tests): each gateway makes its own.
     ui_secret: str = ""
+    # The daemon's state directory: the Files and Batch APIs' store (api_gateway/batch_store.py).
+    # "" (tests): under the runtime directory.
+    state_dir: str = ""
 
 
 class Role(msgspec.Struct, kw_only=True):

@@ -1,0 +1,171 @@
+"""The Files and Batch APIs' pure parts (issue 59): input lines checked, results read back after
+a crash, the store's records whole whatever happens, ids that are never paths, a batch line's
+key and priority. No daemon, no vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api_gateway import batch_lines as L
+from api_gateway import batch_store as S
+from api_gateway.batch_runner import BATCH_PRIORITY, BatchAuth
+from api_gateway.keys import OPEN, Access, KeyRing, fingerprint
+from api_gateway.tenancy import PRIORITY_KINDS, KeyGate
+from servectl import config as C
+
+pytestmark = pytest.mark.unit
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id, url=CHAT, method="POST", body=None) -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url,
+                       "body": body if body is not None else {"model": "m", "messages": []}}).encode()
+
+
+def test_good_lines_are_sent_bad_ones_answered_in_the_error_file_and_duplicates_fail_the_batch():
+    data = b"\n".join([line("a"), b"", b"{oops", line("b", url="/v1/completions"), line("c", method="GET"),
+                       json.dumps({"method": "POST", "url": CHAT, "body": {}}).encode(), line("d", body=[1]),
+                       line("e", body={"model": "m", "stream": True}), line("f"), b"  "])
+    checked = L.check(data, CHAT)
+    assert [(x.number, x.custom_id) for x in checked.lines] == [(1, "a"), (9, "f")]
+    assert checked.model == "m" and not checked.fatal
+    bad = [json.loads(b) for b in checked.bad]
+    assert [(b["custom_id"], b["error"]["code"], b["error"]["line"]) for b in bad] == [
+        (None, "invalid_json_line", 3), ("b", "mismatched_url", 4), ("c", "invalid_method", 5),
+        (None, "missing_required_parameter", 6), ("d", "invalid_request", 7), ("e", "invalid_request", 8)]
+    assert all(b["response"] is None and b["id"].startswith("batch_req_") for b in bad)
+    dup = L.check(b"\n".join([line("a"), line("b"), line("a")]), CHAT)
+    assert [(e.code, e.line) for e in dup.fatal] == [("duplicate_custom_id", 3)] and "line 1" in dup.fatal[0].message
+    # A bad line's custom_id counts too: its answer must not stand for a good line's.
+    assert L.check(b"\n".join([line("a", url="/x"), line("a")]), CHAT).fatal[0].line == 2
+
+
+def test_results_read_back_skip_a_line_cut_by_a_crash():
+    ok = L.output_line("a", 200, "r1", {"x": 1})
+    failed = L.output_line("b", 400, "r2", {"error": {}})
+    error = L.error_line("c", "batch_expired", "late")
+    data = ok + failed + error + ok[:17]
+    done, good, bad, end = L.answered(data)
+    assert done == {"a", "b", "c"} and (good, bad) == (1, 2) and end == len(data) - 17
+    assert L.answered(b"")[0] == set()
+
+
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=20), st.sampled_from([200, 201, 400, 404, 500])), max_size=30),
+       st.integers(min_value=0, max_value=200))
+def test_a_results_file_cut_anywhere_gives_exactly_its_whole_lines(answers, cut):
+    lines = [L.output_line(cid, status, "r", {"n": i}) for i, (cid, status) in enumerate(answers)]
+    data = b"".join(lines)
+    cut_at = max(0, len(data) - cut)
+    done, good, bad, end = L.answered(data[:cut_at])
+    whole = []
+    total = 0
+    for raw, answer in zip(lines, answers):
+        if total + len(raw) > cut_at:
+            break
+        total += len(raw)
+        whole.append(answer)
+    assert end == total and done == {cid for cid, _ in whole}
+    assert good == sum(200 <= s < 300 for _, s in whole) and bad == len(whole) - good
+
+
+def test_a_record_is_the_old_or_the_new_one_whatever_is_left_of_a_write(tmp_path, monkeypatch):
+    store = S.Store(tmp_path)
+    record = S.BatchRecord(id="batch_1", owner="k", runner=0, endpoint=CHAT, input_file_id="file-1",
+                           completion_window="24h", created_at=1, expires_at=2)
+    store.put_batch(record)
+    record.status = S.IN_PROGRESS
+
+    def crash(*a):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.put_batch(record)
+    monkeypatch.undo()
+    assert store.get_batch("batch_1").status == S.VALIDATING  # the old one, whole
+    store.put_batch(record, durable=False)
+    assert store.get_batch("batch_1").status == S.IN_PROGRESS
+
+
+def test_a_cancel_asked_elsewhere_shows_as_cancelling_and_the_runner_reads_it(tmp_path):
+    store = S.Store(tmp_path)
+    record = S.BatchRecord(id="batch_2", owner="k", runner=1, endpoint=CHAT, input_file_id="file-1",
+                           completion_window="24h", created_at=1, expires_at=2, status=S.IN_PROGRESS)
+    store.put_batch(record)
+    store.ask_cancel("batch_2")
+    assert store.get_batch("batch_2").status == S.CANCELLING and store.get_batch("batch_2").cancelling_at
+    assert store.get_batch("batch_2", as_written=True).status == S.IN_PROGRESS
+    assert S.batch_object(store.get_batch("batch_2"))["status"] == "cancelling"
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", "x" * 65, "é", "file-1.json", "."])
+def test_an_id_is_never_a_path(tmp_path, name):
+    store = S.Store(tmp_path)
+    assert store.get_file(name) is None and store.get_batch(name) is None
+
+
+def test_files_are_listed_once_whole_and_expire(tmp_path):
+    store = S.Store(tmp_path)
+    upload = store.upload_path()
+    upload.write_bytes(b"x\n")
+    store.add_file(upload, S.FileRecord(id="file-a", bytes=2, created_at=1, filename="a", purpose="batch",
+                                        owner="k", expires_at=100))
+    assert not upload.exists() and store.file_data("file-a").read_bytes() == b"x\n"
+    assert [r.id for r in store.list_files()] == ["file-a"] and store.stored_bytes() > 2
+    assert S.file_object(store.get_file("file-a"))["object"] == "file"
+    assert store.sweep(99) == 0 and store.sweep(100) == 1
+    assert store.get_file("file-a") is None and not store.file_data("file-a").exists()
+
+
+def test_result_file_ids_are_the_same_each_time():
+    assert S.result_file_id("batch_x", "output") == S.result_file_id("batch_x", "output")
+    assert S.result_file_id("batch_x", "output") != S.result_file_id("batch_x", "error")
+
+
+def test_a_batch_runs_as_its_key_as_configured_now():
+    named = C.NamedKey(name="team", key="sk-team")
+    ring = KeyRing(["sk-plain"], ["sk-admin"], [named])
+    assert ring.by_label("team").named is named
+    assert ring.by_label(fingerprint("sk-plain")).access is Access.API
+    assert ring.by_label(fingerprint("sk-admin")).access is Access.ADMIN
+    assert ring.by_label("gone") is None and ring.by_label(OPEN.label) is None
+    assert KeyRing([], []).by_label(OPEN.label) is OPEN
+    auth = BatchAuth(ring.by_label)
+    assert auth.key_of(auth.secret, "team").label == "team"
+    assert auth.key_of("not-the-secret", "team") is None and auth.key_of(auth.secret, "gone") is None
+
+
+class Request(dict):
+    pass
+
+
+@pytest.mark.parametrize("fair", [True, False])
+@pytest.mark.parametrize("kind", ["chat", "completion", "embeddings", "messages"])
+def test_a_batch_line_goes_after_every_interactive_request(fair, kind):
+    gate = KeyGate(manager=None, fair_share=fair)
+    request = Request(key=OPEN, batch=True)
+    forward = {"priority": -5}
+    tag = gate.prioritise(request, kind, forward, 1)
+    if kind in PRIORITY_KINDS:
+        assert tag is None and forward["priority"] == BATCH_PRIORITY
+    else:
+        assert tag == BATCH_PRIORITY
+    # An interactive request of the same key: far ahead of it.
+    other = {"priority": 10}
+    KeyGate(manager=None, fair_share=fair).prioritise(Request(key=OPEN, counted=None), "chat", other, 1)
+    assert other.get("priority", 0) < BATCH_PRIORITY
+
+
+def test_every_record_round_trips_as_json():
+    record = S.BatchRecord(id="batch_3", owner="k", runner=0, endpoint=CHAT, input_file_id="f",
+                           completion_window="24h", created_at=1, expires_at=2,
+                           errors=[S.BatchError(code="c", message="m", line=3)], metadata={"a": "b"})
+    again = msgspec.json.decode(msgspec.json.encode(record), type=S.BatchRecord)
+    assert again == record
+    assert S.batch_object(again)["errors"]["data"] == [{"code": "c", "message": "m", "line": 3}]
