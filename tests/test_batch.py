@@ -2,7 +2,8 @@
 outputs equal to the same requests sent one by one, bad lines in the error file, cancel, the
 bounds, ownership between two keys, and a batch that finishes across an engine SIGKILL, a
 gateway SIGKILL, a manager SIGKILL followed by `servectl start` and a reload, each `custom_id`
-answered once (the module's last test: it kills and restarts the daemon).
+answered once, and a batch for a model released when idle (the module's last test kills and
+restarts the daemon).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ name = "default"
 model = "{DEFAULT_MODEL_DIR}"
 [models.engine_args]
 max_num_seqs = 8
+[[models]]
+name = "lazy"
+model = "{DEFAULT_MODEL_DIR}"
+autostart = false
+idle_release_s = 1.5
 """
 PROMPTS = ["def add(a, b):", "The capital of France is", "import numpy as", "for i in range(",
            "class Stack:", "# sort a list", "print(", "while True:"]
@@ -188,6 +194,24 @@ def test_a_cancelled_batch_stops_and_keeps_what_finished(d):
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 48 for r in out)
     with pytest.raises(openai.ConflictError):
         c.batches.cancel(b.id)
+
+
+def lazy_state(d) -> str:
+    return next(m for m in d.status().models if m.name == "lazy").state
+
+
+def test_a_batch_for_a_released_model_loads_it_and_finishes(d):
+    """An idle release between two batches (and none loaded at the first): each line is held while
+    the model comes back, as any request is."""
+    c = client(d)
+    for round_ in range(2):
+        wait_for(lambda: lazy_state(d) == "released", 120, what="lazy released")
+        lines = [chat_line(f"l{i}", PROMPTS[i], 6) | {"body": {**chat_line("", PROMPTS[i], 6)["body"], "model": "lazy"}}
+                 for i in range(4)]
+        b = wait_ended(c, c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions",
+                                           completion_window="24h").id)
+        assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (4, 0), b
+        assert sorted(r["custom_id"] for r in results(c, b.output_file_id)) == [f"l{i}" for i in range(4)]
 
 
 def test_a_batch_finishes_across_every_kill_each_line_answered_once(d):
