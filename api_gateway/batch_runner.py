@@ -1,7 +1,7 @@
 """Runs a gateway's batches: each line sent as the request it is, through this gateway's own
 routes, at the lowest priority, and its answer appended to the batch's results.
 
-A line goes to a private listener of this gateway's app (an abstract Unix socket) with the
+A line goes to a private listener of this gateway's app (a Unix socket, 0600) with the
 runner's secret and the batch's owner (``BatchAuth``): the middleware counts it under that key
 (its usage, its ``models``), the key's rate and concurrency limits do not apply to it, and the
 fair share gives it the lowest priority (``BATCH_PRIORITY``), so interactive requests take its
@@ -11,9 +11,14 @@ holds for a line.
 
 Crash-safe by its results (api_gateway/batch_store.py): a line's answer is appended once it is
 whole; a runner that starts again (its gateway restarted, or the daemon) sends the lines not in
-the results yet, so each ``custom_id`` is answered once. A line whose request failed for the
-server's sake (429, 502-504, the connection) is sent again after a pause; any other answer is
-its answer (an error goes to the error file).
+the results yet, so each ``custom_id`` is answered once. One runner a batch: it holds the
+batch's lock while it runs it. The end is decided and written (FINALIZING, with ``ending``)
+before the results are published as files, and the results are removed only once the batch has
+ended: a runner starting at any point between ends it the same way. A line whose request failed
+for the server's sake (429, 502-504, the connection) is sent again after a pause, unless the
+batch is cancelled or expires meanwhile; any other answer is its answer (an error goes to the
+error file). ``[gateway.batch] concurrency`` bounds the lines in flight of every batch this
+gateway runs together.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class BatchRunner:
         self.socket_name = socket_name
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancels: dict[str, asyncio.Event] = {}
+        self.locks: dict[str, int] = {}
+        self.waiting: set[str] = set()  # batches whose lock another process holds: taken when it lets go
+        self.slots: asyncio.Semaphore | None = None  # the lines in flight, every batch together
         self.session: aiohttp.ClientSession | None = None
         self.stopping = False
 
@@ -92,16 +100,35 @@ class BatchRunner:
         return count
 
     def run(self, record: S.BatchRecord) -> None:
-        if record.id in self.tasks or self.stopping:
+        if record.id in self.tasks or record.id in self.waiting or self.stopping:
             return
-        self.cancels[record.id] = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(self._run(record.id), name=f"batch {record.id}")
-        self.tasks[record.id] = task
-        task.add_done_callback(lambda t, bid=record.id: self._ended(bid, t))
+        fd = self.store.lock(record.id)
+        if fd is not None:
+            return self._start(record.id, fd)
+        # Another gateway runs it still (its predecessor draining, or the one it was given to).
+        log.info("batch %s is run by another gateway: taken over when that one lets it go", record.id)
+        self.waiting.add(record.id)
+        loop = asyncio.get_running_loop()
+        self.store.wait_lock(record.id, lambda fd: loop.call_soon_threadsafe(self._locked, record.id, fd))
+
+    def _locked(self, batch_id: str, fd: int) -> None:
+        self.waiting.discard(batch_id)
+        if self.stopping:
+            os.close(fd)
+            return
+        self._start(batch_id, fd)
+
+    def _start(self, batch_id: str, fd: int) -> None:
+        self.locks[batch_id] = fd
+        self.cancels[batch_id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._run(batch_id), name=f"batch {batch_id}")
+        self.tasks[batch_id] = task
+        task.add_done_callback(lambda t, bid=batch_id: self._ended(bid, t))
 
     def _ended(self, batch_id: str, task: asyncio.Task) -> None:
         self.tasks.pop(batch_id, None)
         self.cancels.pop(batch_id, None)
+        os.close(self.locks.pop(batch_id))  # another gateway may run it now
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             log.error("batch %s stopped: %s: %s (it goes on when this gateway starts again)", batch_id,
@@ -132,24 +159,23 @@ class BatchRunner:
     # ---- one batch -------------------------------------------------------------------------------
     async def _run(self, batch_id: str) -> None:
         record = self.store.get_batch(batch_id, as_written=True)
-        if record is None:
+        if record is None or record.status in S.ENDED:
             return
-        checked = await asyncio.to_thread(self._read, record)  # up to max_file_bytes: off the event loop
-        if checked is None:
-            return self._fail(record, "input_file_missing", f"the input file {record.input_file_id} is gone")
-        if record.status == S.VALIDATING:
-            if checked.fatal or not (checked.lines or checked.bad):
-                errors = checked.fatal or [S.BatchError(code="empty_file", message="the input file has no lines")]
-                return self._fail(record, errors=errors)
-            # The lines that cannot be sent are answered first, whole (a crash here validates again).
-            S.write_whole(self.store.batch_path(batch_id, "errors"), b"".join(checked.bad))
-            record.status, record.in_progress_at = S.IN_PROGRESS, int(time.time())
-            record.total, record.model = len(checked.lines) + len(checked.bad), checked.model
-            self.store.put_batch(record)
-        if record.status == S.IN_PROGRESS:
+        if record.status != S.FINALIZING:
+            checked = await asyncio.to_thread(self._read, record)  # up to max_file_bytes: off the event loop
+            if checked is None:
+                return self._fail(record, "input_file_missing", f"the input file {record.input_file_id} is gone")
+            if record.status == S.VALIDATING:
+                if checked.fatal or not (checked.lines or checked.bad):
+                    errors = checked.fatal or [S.BatchError(code="empty_file", message="the input file has no lines")]
+                    return self._fail(record, errors=errors)
+                # The lines that cannot be sent are answered first, whole (a crash here validates again).
+                S.write_whole(self.store.batch_path(batch_id, "errors"), b"".join(checked.bad))
+                record.status, record.in_progress_at = S.IN_PROGRESS, int(time.time())
+                record.total, record.model = len(checked.lines) + len(checked.bad), checked.model
+                self.store.put_batch(record)
             await self._send_lines(record, checked.lines)
-        if record.status == S.FINALIZING:
-            self._finalize(record)
+        self._finish(record)
 
     def _read(self, record: S.BatchRecord) -> L.Checked | None:
         if self.store.get_file(record.input_file_id) is None:
@@ -160,6 +186,8 @@ class BatchRunner:
             return None
 
     async def _send_lines(self, record: S.BatchRecord, lines: list[L.Line]) -> None:
+        """Every line not answered yet, until they all are or the batch is cancelled or expires;
+        then its end, decided and written (FINALIZING with ``ending``)."""
         out_path, err_path = self.store.batch_path(record.id, "output"), self.store.batch_path(record.id, "errors")
         done: set[str] = set()
         record.completed = record.failed = 0
@@ -171,23 +199,30 @@ class BatchRunner:
             done |= ids
             record.completed += ok
             record.failed += failed
+        self.store.put_progress(record)
         cancel = self.cancels[record.id]
         loop = asyncio.get_running_loop()
         # event-proof: one deadline a running batch (its completion window), cancelled when it ends.
         expiry = loop.call_at(loop.time() + max(0.0, record.expires_at - time.time()), cancel.set)
+        if time.time() >= record.expires_at:
+            cancel.set()  # expired while no runner ran it: nothing more is sent
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.cfg().concurrency)
+        slots = self.slots
         out = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         err = os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        slots = asyncio.Semaphore(self.cfg().concurrency)
         in_flight: set[asyncio.Task] = set()
         try:
             for line in lines:
                 if line.custom_id in done:
                     continue
+                if cancel.is_set() or self.store.cancel_asked(record.id):
+                    break
                 await slots.acquire()
                 if cancel.is_set() or self.store.cancel_asked(record.id):
                     slots.release()
                     break
-                task = asyncio.get_running_loop().create_task(self._line(record, line, out, err))
+                task = loop.create_task(self._line(record, line, out, err, cancel))
                 in_flight.add(task)
                 task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
             if in_flight:
@@ -202,17 +237,15 @@ class BatchRunner:
             os.close(err)
         now = int(time.time())
         if self.store.cancel_asked(record.id) or (cancel.is_set() and now < record.expires_at):
-            record.status, record.cancelled_at = S.CANCELLED, now
+            record.ending, record.cancelled_at = S.CANCELLED, now
             record.cancelling_at = record.cancelling_at or self.store.cancel_time(record.id)
         elif cancel.is_set():
-            record.status, record.expired_at = S.EXPIRED, now
+            record.ending, record.expired_at = S.EXPIRED, now
             self._expire_rest(record, lines, err_path)
         else:
-            record.status, record.finalizing_at = S.FINALIZING, now
-            self.store.put_batch(record)
-            return
-        self._results_files(record)  # what finished is kept
-        self._ended_record(record)
+            record.ending = S.COMPLETED
+        record.status, record.finalizing_at = S.FINALIZING, now
+        self.store.put_batch(record)
 
     def _expire_rest(self, record: S.BatchRecord, lines: list[L.Line], err_path: Path) -> None:
         """The lines never answered are, in the error file, as OpenAI's expired ones are."""
@@ -220,12 +253,15 @@ class BatchRunner:
             L.answered(self.store.batch_path(record.id, "output").read_bytes())[0]
         rest = [L.error_line(line.custom_id, "batch_expired", "the batch expired before this request ran")
                 for line in lines if line.custom_id not in done]
-        with open(err_path, "ab") as f:
-            f.write(b"".join(rest))
-            os.fsync(f.fileno())
+        fd = os.open(err_path, os.O_WRONLY | os.O_APPEND)
+        try:
+            append(fd, b"".join(rest))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         record.failed += len(rest)
 
-    async def _line(self, record: S.BatchRecord, line: L.Line, out: int, err: int) -> None:
+    async def _line(self, record: S.BatchRecord, line: L.Line, out: int, err: int, cancel: asyncio.Event) -> None:
         headers = {SECRET_HEADER: self.auth.secret, OWNER_HEADER: record.owner, "Host": "localhost"}
         pause = 1.0
         while True:
@@ -245,8 +281,15 @@ class BatchRunner:
                 break
             wait = pause if retry_after is None or not retry_after.isdigit() else float(retry_after)
             # event-proof: a pause only while this line's request could not be served (the model's queue
-            # full, the gateway restarting): it is sent again after, and nothing waits like this when idle.
-            await asyncio.sleep(min(wait, MAX_PAUSE_S))
+            # full, its engine failed, the gateway restarting): sent again after, unless the batch is
+            # cancelled or expires meanwhile (the line is then left unanswered, or answered as expired).
+            try:
+                await asyncio.wait_for(cancel.wait(), min(wait, MAX_PAUSE_S))
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.store.cancel_asked(record.id):
+                return
             pause = min(pause * 2, MAX_PAUSE_S)
         try:
             body = msgspec.json.decode(raw) if raw else None
@@ -254,21 +297,28 @@ class BatchRunner:
             body = raw.decode("utf-8", "replace")
         answer = L.output_line(line.custom_id, status, request_id, body)
         if 200 <= status < 300:
-            os.write(out, answer)
+            append(out, answer)
             record.completed += 1
         else:
-            os.write(err, answer)
+            append(err, answer)
             record.failed += 1
-        self.store.put_batch(record, durable=False)  # progress: the results files can always give it again
+        self.store.put_progress(record)  # for retrieve; the results files can always give it again
 
-    def _finalize(self, record: S.BatchRecord) -> None:
+    # ---- the end ---------------------------------------------------------------------------------
+    def _finish(self, record: S.BatchRecord) -> None:
+        """FINALIZING → its ``ending``: the results published as files (linked: the batch's own
+        stay until the record says it ended), the ended record, then the batch's results removed."""
         self._results_files(record)
-        record.status, record.completed_at = S.COMPLETED, int(time.time())
+        record.status = record.ending or S.COMPLETED
+        if record.status == S.COMPLETED:
+            record.completed_at = int(time.time())
         self._ended_record(record)
+        for suffix in ("output", "errors", "progress"):
+            self.store.batch_path(record.id, suffix).unlink(missing_ok=True)
 
     def _results_files(self, record: S.BatchRecord) -> None:
-        """The output and error files become files of the Files API (ids fixed by the batch's, so a
-        finalization a crash cut short ends the same)."""
+        """The output and error files become files of the Files API (ids fixed by the batch's: a
+        finalization a crash cut short is done again to the same end)."""
         expire = self.cfg().expire_after_s
         for kind, suffix in (("output", "output"), ("error", "errors")):
             path = self.store.batch_path(record.id, suffix)
@@ -277,7 +327,8 @@ class BatchRunner:
                 now = int(time.time())
                 self.store.add_file(path, S.FileRecord(
                     id=file_id, bytes=path.stat().st_size, created_at=now, filename=f"{record.id}_{kind}.jsonl",
-                    purpose="batch_output", owner=record.owner, expires_at=now + int(expire) if expire else None))
+                    purpose="batch_output", owner=record.owner, expires_at=now + int(expire) if expire else None),
+                    keep=True)
             if self.store.get_file(file_id) is not None:
                 setattr(record, f"{kind}_file_id", file_id)
 
@@ -285,7 +336,10 @@ class BatchRunner:
               errors: list[S.BatchError] | None = None) -> None:
         record.status, record.failed_at = S.FAILED, int(time.time())
         record.errors = errors or [S.BatchError(code=code, message=message)]
+        self._results_files(record)  # what was answered before it failed is kept
         self._ended_record(record)
+        for suffix in ("output", "errors", "progress"):
+            self.store.batch_path(record.id, suffix).unlink(missing_ok=True)
 
     def _ended_record(self, record: S.BatchRecord) -> None:
         expire = self.cfg().expire_after_s
@@ -294,3 +348,15 @@ class BatchRunner:
         self.store.batch_path(record.id, "cancel").unlink(missing_ok=True)
         log.info("batch %s %s: %d of %d answered, %d failed", record.id, record.status, record.completed,
                  record.total, record.failed)
+
+
+def append(fd: int, data: bytes) -> None:
+    """``data`` at the end of the file, whole or not at all (a short write, a full disk: cut back)."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        os.ftruncate(fd, start)
+        raise

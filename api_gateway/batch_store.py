@@ -15,11 +15,13 @@ structs as JSON; the API's objects are made from them (``file_object``, ``batch_
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import threading
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ import msgspec
 VALIDATING, IN_PROGRESS, FINALIZING = "validating", "in_progress", "finalizing"
 COMPLETED, FAILED, CANCELLING, CANCELLED, EXPIRED = "completed", "failed", "cancelling", "cancelled", "expired"
 ENDED = frozenset({COMPLETED, FAILED, CANCELLED, EXPIRED})
+LEFTOVER_S = 3600.0
 
 
 class FileRecord(msgspec.Struct, kw_only=True):
@@ -74,6 +77,17 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     failed: int = 0
     model: str | None = None
     gone_at: int | None = None  # when its record may be deleted (expire_after_s past its end)
+    # While FINALIZING: the status it ends in (completed, cancelled, expired), decided before its
+    # results are published, so that a runner starting again ends it the same way.
+    ending: str | None = None
+
+
+class Progress(msgspec.Struct, array_like=True):
+    """A running batch's counts as its runner last wrote them (``<id>.progress``, rewritten after
+    each line without a flush: after a power loss the record's, and the results files', stand)."""
+
+    completed: int
+    failed: int
 
 
 _encoder = msgspec.json.Encoder()
@@ -132,14 +146,19 @@ class Store:
         """Where an upload is written before it is a file (``add_file`` renames it)."""
         return self.files / f".upload-{os.getpid()}-{secrets.token_hex(6)}"
 
-    def add_file(self, data_from: Path, record: FileRecord) -> None:
-        """The data first, then the record: a file is listed only once its data is whole."""
+    def add_file(self, data_from: Path, record: FileRecord, keep: bool = False) -> None:
+        """The data first, then the record: a file is listed only once its data is whole.
+        ``keep``: ``data_from`` stays (linked, not moved: a batch's results until it has ended)."""
         fd = os.open(data_from, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(data_from, self.file_data(record.id))
+        if keep:
+            self.file_data(record.id).unlink(missing_ok=True)  # an earlier try's link, the same data
+            os.link(data_from, self.file_data(record.id))
+        else:
+            os.replace(data_from, self.file_data(record.id))
         write_whole(self.files / f"{record.id}.json", _encoder.encode(record))
 
     def get_file(self, file_id: str) -> FileRecord | None:
@@ -189,16 +208,47 @@ class Store:
             record = msgspec.json.decode(self.batch_path(batch_id, "json").read_bytes(), type=BatchRecord)
         except (FileNotFoundError, msgspec.DecodeError):
             return None
-        if not as_written and record.status in (VALIDATING, IN_PROGRESS) and self.cancel_asked(batch_id):
+        if as_written:
+            return record
+        if record.status == IN_PROGRESS:
+            try:
+                progress = msgspec.json.decode(self.batch_path(batch_id, "progress").read_bytes(), type=Progress)
+                record.completed, record.failed = progress.completed, progress.failed
+            except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        if record.status in (VALIDATING, IN_PROGRESS) and self.cancel_asked(batch_id):
             record.status = CANCELLING  # the runner has not seen it yet, or is finishing what runs
             record.cancelling_at = record.cancelling_at or self.cancel_time(batch_id)
         return record
+
+    def put_progress(self, record: BatchRecord) -> None:
+        write_whole(self.batch_path(record.id, "progress"), _encoder.encode(Progress(record.completed, record.failed)),
+                    durable=False)
 
     def list_batches(self) -> Iterator[BatchRecord]:
         for path in self.batches.glob("*.json"):
             record = self.get_batch(path.stem)
             if record is not None:
                 yield record
+
+    def lock(self, batch_id: str, wait: bool = False) -> int | None:
+        """The batch's lock (an open descriptor; closing it lets go), held by the runner running
+        it, so that two gateways never run one batch (a reload that starts a gateway before its
+        predecessor has drained, gateway 0 taking a removed gateway's). None: another holds it.
+        ``wait``: block until it is free (on a thread of its own: ``wait_lock``)."""
+        fd = os.open(self.batch_path(batch_id, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def wait_lock(self, batch_id: str, then: Callable[[int], None]) -> None:
+        """``then(fd)`` once the lock is this process's (a daemon thread blocked in the kernel's
+        flock: nothing polls; the process may exit while it waits)."""
+        threading.Thread(target=lambda: then(self.lock(batch_id, wait=True)), daemon=True,
+                         name=f"lock {batch_id}").start()
 
     def ask_cancel(self, batch_id: str) -> None:
         write_whole(self.batch_path(batch_id, "cancel"), str(int(time.time())).encode())
@@ -214,7 +264,7 @@ class Store:
 
     def delete_batch(self, batch_id: str) -> None:
         self.batch_path(batch_id, "json").unlink(missing_ok=True)
-        for suffix in ("output", "errors", "cancel"):
+        for suffix in ("output", "errors", "cancel", "progress", "lock"):
             self.batch_path(batch_id, suffix).unlink(missing_ok=True)
 
     # ---- expiry ------------------------------------------------------------------------------
@@ -223,13 +273,25 @@ class Store:
         many. Run when the store is used (a gateway's start, each upload and listing), not on a
         timer: what expired and was not asked for meanwhile is only on the disk a while longer."""
         gone = 0
+        batches = list(self.list_batches())
+        inputs = {b.input_file_id for b in batches if b.status not in ENDED}  # read again on a resume
         for record in list(self.list_files()):
-            if record.expires_at is not None and record.expires_at <= now:
+            if record.expires_at is not None and record.expires_at <= now and record.id not in inputs:
                 gone += self.delete_file(record.id)
-        for batch in list(self.list_batches()):
+        for batch in batches:
             if batch.gone_at is not None and batch.gone_at <= now:
                 self.delete_batch(batch.id)
                 gone += 1
+        # What a crash left: an upload or a record not renamed into place, data whose record was
+        # never written (an hour on: no writer takes that long between the two).
+        for path in self.files.iterdir():
+            try:
+                stale = path.stat().st_mtime < now - LEFTOVER_S
+            except FileNotFoundError:
+                continue
+            orphan = path.suffix == ".data" and not (self.files / f"{path.stem}.json").exists()
+            if stale and (path.name.startswith(".") or orphan):
+                path.unlink(missing_ok=True)
         return gone
 
 

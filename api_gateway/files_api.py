@@ -101,7 +101,7 @@ class FilesApi:
             record = S.FileRecord(id=S.new_id("file"), bytes=size, created_at=now, filename=filename[:256],
                                   purpose=purpose, owner=owner_of(request).label,
                                   expires_at=self.expiry(fields, now, batch.expire_after_s))
-            self.store.add_file(upload, record)
+            await asyncio.to_thread(self.store.add_file, upload, record)  # its fsync: off the event loop
         finally:
             upload.unlink(missing_ok=True)
         return web.json_response(S.file_object(record))

@@ -52,6 +52,12 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
 
+def on_unix_socket(request: web.Request) -> bool:
+    """Came through a Unix socket (the batch runner's), not the public listener."""
+    transport = request.transport
+    return transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+
+
 class Middleware:
     """The gateway's middleware; ``keys`` gives the keys in force now (a reload replaces them)."""
 
@@ -87,7 +93,7 @@ class Middleware:
             else:
                 if (request.path.startswith(("/v1/", "/v2/")) or request.path in KEYED_PATHS) \
                         and request.path not in LORA_PATHS:  # the admin keys' (admin.py checks them)
-                    if BATCH_SECRET in request.headers and self.batch is not None:
+                    if BATCH_SECRET in request.headers and self.batch is not None and on_unix_socket(request):
                         request["key"] = self.batch_line(request)
                     else:
                         request["key"] = OPEN if self.keys().api_open else self.check_auth(request)

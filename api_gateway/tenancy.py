@@ -158,4 +158,4 @@ class KeyGate:
             prompt, completion = tally()
         self.manager.report_now(MP.Finished(key=key.label, model=counted.model, ticket=counted.ticket,
                                             prompt_tokens=prompt or 0, completion_tokens=completion or 0,
-                                            error=status >= 400))
+                                            error=status >= 400, batch=bool(request.get("batch"))))

@@ -368,7 +368,7 @@ class ControlServer:
     def on_finished(self, caller: Caller, msg: P.Finished) -> None:
         self.host.usage.add(msg.key, msg.model, msg.prompt_tokens, msg.completion_tokens, msg.error, time.time())
         self.host.limits.finish(msg.key, (caller.ident, msg.ticket) if msg.ticket else None,
-                                msg.prompt_tokens + msg.completion_tokens, time.monotonic())
+                                0 if msg.batch else msg.prompt_tokens + msg.completion_tokens, time.monotonic())
 
     def on_usage(self, caller: Caller, msg: P.UsageRequest) -> None:
         now = time.time()

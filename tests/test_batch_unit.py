@@ -169,3 +169,101 @@ def test_every_record_round_trips_as_json():
     again = msgspec.json.decode(msgspec.json.encode(record), type=S.BatchRecord)
     assert again == record
     assert S.batch_object(again)["errors"]["data"] == [{"code": "c", "message": "m", "line": 3}]
+
+
+def test_one_runner_a_batch_the_lock_is_taken_when_its_holder_lets_go(tmp_path):
+    import threading
+
+    store = S.Store(tmp_path)
+    held = store.lock("batch_l")
+    assert held is not None and store.lock("batch_l") is None  # (another open file: another runner)
+    got = threading.Event()
+    fds = []
+    store.wait_lock("batch_l", lambda fd: (fds.append(fd), got.set()))
+    assert not got.wait(0.2)
+    os.close(held)
+    assert got.wait(10) and fds[0] is not None
+    os.close(fds[0])
+
+
+def test_a_sweep_keeps_a_running_batchs_input_and_removes_what_a_crash_left(tmp_path):
+    store = S.Store(tmp_path)
+    for fid in ("file-in", "file-old"):
+        upload = store.upload_path()
+        upload.write_bytes(b"x\n")
+        store.add_file(upload, S.FileRecord(id=fid, bytes=2, created_at=1, filename="a", purpose="batch",
+                                            owner="k", expires_at=10))
+    store.put_batch(S.BatchRecord(id="batch_r", owner="k", runner=0, endpoint=CHAT, input_file_id="file-in",
+                                  completion_window="24h", created_at=1, expires_at=99, status=S.IN_PROGRESS))
+    leftover, orphan = store.files / ".upload-1-ab", store.files / "file-gone.data"
+    leftover.write_bytes(b"half")
+    orphan.write_bytes(b"no record")
+    fresh = store.files / ".upload-2-cd"
+    fresh.write_bytes(b"being written")
+    old = 1_000.0
+    os.utime(leftover, (old, old))
+    os.utime(orphan, (old, old))
+    store.sweep(now=old + S.LEFTOVER_S + 1)
+    assert store.get_file("file-in") is not None and store.get_file("file-old") is None
+    assert not leftover.exists() and not orphan.exists() and fresh.exists()
+
+
+def test_progress_is_shown_while_running_and_never_needed(tmp_path):
+    store = S.Store(tmp_path)
+    record = S.BatchRecord(id="batch_p", owner="k", runner=0, endpoint=CHAT, input_file_id="f",
+                           completion_window="24h", created_at=1, expires_at=2, status=S.IN_PROGRESS, total=5)
+    store.put_batch(record)
+    record.completed, record.failed = 3, 1
+    store.put_progress(record)
+    assert (store.get_batch("batch_p").completed, store.get_batch("batch_p").failed) == (3, 1)
+    store.batch_path("batch_p", "progress").write_bytes(b"")  # a power loss's empty file: the record stands
+    assert store.get_batch("batch_p").completed == 0
+
+
+def test_an_append_is_whole_or_not_at_all(tmp_path, monkeypatch):
+    from api_gateway.batch_runner import append
+
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    append(fd, b"first\n")
+    real = os.write
+    calls = []
+
+    def short_then_full_disk(f, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(f, bytes(data[:3]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", short_then_full_disk)
+    with pytest.raises(OSError):
+        append(fd, b"second\n")
+    monkeypatch.undo()
+    append(fd, b"third\n")
+    os.close(fd)
+    assert path.read_bytes() == b"first\nthird\n"
+
+
+def test_a_finish_cut_short_anywhere_ends_the_same(tmp_path):
+    """The end is written first; results are linked, then the ended record, then the batch's own
+    results go: whatever a crash leaves, finishing again gives the same files and counts."""
+    from api_gateway.batch_runner import BatchRunner
+
+    store = S.Store(tmp_path)
+    runner = BatchRunner(store, 0, 1, lambda: C.BatchConfig(), BatchAuth(lambda label: None), "")
+    record = S.BatchRecord(id="batch_f", owner="k", runner=0, endpoint=CHAT, input_file_id="gone",
+                           completion_window="24h", created_at=1, expires_at=2, status=S.FINALIZING,
+                           ending=S.CANCELLED, completed=2, failed=1, total=9)
+    store.put_batch(record)
+    out = L.output_line("a", 200, "r", {}) + L.output_line("b", 200, "r", {})
+    store.batch_path("batch_f", "output").write_bytes(out)
+    store.batch_path("batch_f", "errors").write_bytes(L.output_line("c", 400, "r", {}))
+    runner._results_files(record)  # a crash after publishing, before the record
+    again = store.get_batch("batch_f", as_written=True)
+    assert again.status == S.FINALIZING
+    runner._finish(again)
+    ended = store.get_batch("batch_f")
+    assert (ended.status, ended.completed, ended.failed) == (S.CANCELLED, 2, 1)
+    assert store.file_data(ended.output_file_id).read_bytes() == out
+    assert store.get_file(ended.error_file_id).bytes > 0
+    assert not store.batch_path("batch_f", "output").exists()

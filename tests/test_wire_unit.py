@@ -125,7 +125,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                   CP.Admitted(ticket=8, ok=False, limit="requests", retry_after_s=3.5, message="rate limit reached",
                               window=CP.Window(limit_requests=6, remaining_requests=0, reset_requests_s=3.5))],
     CP.Finished: [CP.Finished(key="team-a", model="m.1", ticket=7, prompt_tokens=5, completion_tokens=9, error=True),
-                  CP.Finished(key="(none)", model="m.1")],
+                  CP.Finished(key="(none)", model="m.1", batch=True)],
     CP.UsageRequest: [CP.UsageRequest(since=1.5e9), CP.UsageRequest()],
     CP.UsageReply: [CP.UsageReply(since=60.0, until=125.5, rows=[CP.UsageRow(key="team-a", model="m.1", requests=2,
                                                                              prompt_tokens=5, completion_tokens=9,

@@ -41,6 +41,8 @@ class Finished(_Msg, tag="finished"):
     completion_tokens: int = 0
     # Answered with a 4xx or 5xx (499: the client went away), or a stream cut by one after its 200.
     error: bool = False
+    # A batch's line (api_gateway/batch_runner.py): in the key's usage, not in its rate limits' window.
+    batch: bool = False
 
 
 class UsageRequest(_Msg, tag="usage"):
