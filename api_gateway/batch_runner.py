@@ -39,12 +39,10 @@ from api_gateway import batch_lines as L
 from api_gateway import batch_store as S
 from api_gateway.keys import RequestKey
 from servectl.config import BatchConfig
+from servectl.wire.engine import BATCH_PRIORITY
 
 log = logging.getLogger("api_gateway.batch")
 
-# Below every interactive request's (the fair share's tags count up from 0; clients' own, 0 by
-# default): vLLM schedules the lowest value first.
-BATCH_PRIORITY = 1 << 30
 SECRET_HEADER = "X-Servectl-Batch"
 OWNER_HEADER = "X-Servectl-Batch-Owner"
 RETRY = frozenset({429, 502, 503, 504})
@@ -280,10 +278,11 @@ class BatchRunner:
             if status and status not in RETRY:
                 break
             wait = pause if retry_after is None or not retry_after.isdigit() else float(retry_after)
-            # event-proof: a pause only while this line's request could not be served (the model's queue
-            # full, its engine failed, the gateway restarting): sent again after, unless the batch is
-            # cancelled or expires meanwhile (the line is then left unanswered, or answered as expired).
+            # A pause only while this line's request could not be served (the model's queue full, its
+            # engine failed, the gateway restarting): sent again after, unless the batch is cancelled
+            # or expires meanwhile (the line is then left unanswered, or answered as expired).
             try:
+                # event-proof: the pause above, ended early by the batch's cancel or expiry.
                 await asyncio.wait_for(cancel.wait(), min(wait, MAX_PAUSE_S))
                 return
             except asyncio.TimeoutError:

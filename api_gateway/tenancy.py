@@ -14,11 +14,11 @@ from typing import NamedTuple, Protocol
 
 from aiohttp import web
 
-from api_gateway.batch_runner import BATCH_PRIORITY
 from api_gateway.errors import HttpError
 from api_gateway.fair_share import FairShare
 from api_gateway.keys import OPEN, RequestKey
 from servectl.wire import control as MP
+from servectl.wire.engine import BATCH_PRIORITY
 
 # Routes whose vLLM request class takes a `priority` (the fair share's); Messages and speech do not.
 PRIORITY_KINDS = frozenset({"chat", "completion", "responses", "embeddings", "embed", "pooling", "classify", "score",

@@ -8,10 +8,13 @@ Each round starts a fresh servectl (no warm standbys) serving the bundled model 
 default (`[gateway.batch] concurrency` 16). In it: B alone (``--solo-requests`` streaming
 completions one after another, 32-token prompts, 16 tokens out); then a batch of ``--lines``
 completion lines (32-token prompts, 32 tokens out, greedy) created through the Files and Batch
-APIs and, once its first lines are answered, B again the same way; then, in an order that
-alternates between rounds, the same batch alone from create to completed, and the same lines
-sent by a client (aiohttp, ``concurrency`` at a time) to ``/v1/completions``. A cell is the
-median over rounds of each round's median (TTFT) or its time, with [min – max].
+APIs and, once its first lines are answered, B again the same way, and once more after the
+engine's yield window passed without one (engine_core/batch_yield.py); then, once the batch
+has ended and the window passed, in an order that alternates between rounds, the same batch
+alone from create to completed, and the same lines sent by a client (aiohttp, ``concurrency``
+at a time) to ``/v1/completions``. A cell is the median over rounds of each round's median
+(TTFT) or its time, with [min – max]. ``--env SERVECTL_BATCH_YIELD=0``: the engine without the
+yield (the control).
 
 Results: ``bench/results/<date>-batch.{json,md}``.
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.run import ROOT, Servectl, machine
+from engine_core.batch_yield import YIELD_WINDOW_S
 
 PROMPT = " ".join(["word"] * 31)  # ~32 tokens
 CONCURRENCY = 16  # [gateway.batch] concurrency's default: the client sends as many at once
@@ -109,16 +113,22 @@ async def measure(base: str, n: int, solo: int, client_first: bool) -> dict:
         batch_id = await create_batch(session, base, n)
         await until(session, base, batch_id, lambda s: s["request_counts"]["completed"] >= CONCURRENCY)
         during = [await ttft(session, base) for _ in range(solo)]
+        # One more after the engine's yield window without an interactive request: the batch's
+        # steps are two deep again when it comes (engine_core/batch_yield.py).
+        await asyncio.sleep(YIELD_WINDOW_S + 0.5)
+        cold = await ttft(session, base)
         state = await batch_state(session, base, batch_id)
         assert state["status"] == "in_progress", "the batch ended before B's requests did: use more --lines"
         await until(session, base, batch_id, lambda s: s["status"] == "completed")
+        await asyncio.sleep(YIELD_WINDOW_S + 0.5)  # the batch alone: nothing interactive ran within the window
         if client_first:
             client_s = await timed_client(session, base, n)
             batch_s = await timed_batch(session, base, n)
         else:
             batch_s = await timed_batch(session, base, n)
             client_s = await timed_client(session, base, n)
-    return {"alone_ttft_s": alone, "during_ttft_s": during, "batch_s": batch_s, "client_s": client_s}
+    return {"alone_ttft_s": alone, "during_ttft_s": during, "cold_ttft_s": cold, "batch_s": batch_s,
+            "client_s": client_s}
 
 
 def cell(values: list[float], digits: int = 3) -> str:
@@ -130,13 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lines", type=int, default=1000)
     ap.add_argument("--solo-requests", type=int, default=10)
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the engine (a switch to compare)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    env = dict(e.split("=", 1) for e in args.env)
     stem = args.out or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-batch.json"
     raw: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="servectl-batch-") as tmp:
         for r in range(args.rounds):
-            server = Servectl(Path(tmp), label=f"round{r}", warm_standby=False)
+            server = Servectl(Path(tmp), label=f"round{r}", warm_standby=False, env=env)
             try:
                 server.start()
                 if server.proc.wait(300) != 0:
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     alone = [statistics.median(x["alone_ttft_s"]) for x in raw]
     during = [statistics.median(x["during_ttft_s"]) for x in raw]
     ratio = [d / a for d, a in zip(during, alone)]
+    cold = [x["cold_ttft_s"] for x in raw]
+    cold_ratio = [c / a for c, a in zip(cold, alone)]
     batch = [x["batch_s"] for x in raw]
     client = [x["client_s"] for x in raw]
     speed = [c / b for c, b in zip(client, batch)]
@@ -166,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
           f"| B's TTFT alone (s) | {cell(alone, 4)} |",
           f"| B's TTFT while the batch runs (s) | {cell(during, 4)} |",
           f"| during / alone | {statistics.median(ratio):.2f}× [{min(ratio):.2f} – {max(ratio):.2f}] |",
+          f"| B's first request after {YIELD_WINDOW_S:g} s without one, the batch running (s) | {cell(cold, 4)} "
+          f"({statistics.median(cold_ratio):.2f}× alone) |",
           f"| the batch, create to completed, nothing else running (s) | {cell(batch, 1)} |",
           f"| the same lines from a client, {CONCURRENCY} at a time (s) | {cell(client, 1)} |",
           f"| batch throughput / client's | {statistics.median(speed):.2f}× [{min(speed):.2f} – {max(speed):.2f}] |"]

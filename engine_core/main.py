@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     # The executor's counters (async scheduling overlap) go to the log at shutdown,
     # which is a SIGTERM from the manager: log, then die of the signal (the manager reads that exit).
     def log_counters_and_die(signum, frame) -> None:
-        log.info("stopping: %s; %s%s", group.counters(), server.counters(),
-                 f"; slots taken by a better priority {slots.preempted}" if slots is not None else "")
+        batches = getattr(server.halves, "batches", None)
+        log.info("stopping: %s; %s%s%s", group.counters(), server.counters(),
+                 f"; slots taken by a better priority {slots.preempted}" if slots is not None else "",
+                 f"; steps one deep for batch lines {batches.shallow_steps}" if batches is not None else "")
         if traced is not None:
             traced.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

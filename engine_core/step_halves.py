@@ -36,6 +36,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from engine_core.batch_yield import batch_yield
+
 # "0" processes every step's outputs at once, before the next step is scheduled:
 # a switch for comparing the two (python -m bench.rounds --only servectl --env-b ...=0).
 OVERLAP_ENV = "SERVECTL_OUTPUT_OVERLAP"
@@ -49,6 +51,7 @@ class StepHalves:
         self.client = engine.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         self.core = self.client.engine_core  # vLLM's EngineCore
         self.overlap = os.environ.get(OVERLAP_ENV, "1") != "0"
+        self.batches = batch_yield(self.core)  # a batch's lines yield to interactive requests
 
     def core_step(self) -> Any:
         """Schedule, run the model, update the scheduler: the step's ``EngineCoreOutputs`` (None: none)."""
@@ -57,6 +60,8 @@ class StepHalves:
             engine.should_execute_dummy_batch = False
             self.client.execute_dummy_batch()
             return None
+        if self.batches is not None:
+            return self.batches.step(self.client.get_output)
         return self.client.get_output()
 
     def more_to_run(self) -> bool:

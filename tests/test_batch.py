@@ -184,6 +184,11 @@ def test_a_cancelled_batch_stops_and_keeps_what_finished(d):
     lines = [chat_line(f"k{i}", PROMPTS[i % len(PROMPTS)], 48, ignore_eos=True) for i in range(60)]
     b = c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: c.batches.retrieve(b.id).request_counts.completed >= 4, 120, what="a few lines answered")
+    # Interactive requests while it runs (the engine switches its step queue for them and back,
+    # engine_core/batch_yield.py): answered as when nothing else runs (below, once it has ended).
+    during = [c.chat.completions.create(model="default", messages=[{"role": "user", "content": p}], max_tokens=12,
+                                        temperature=0).choices[0].message.content for p in PROMPTS[:3]]
+    assert c.batches.retrieve(b.id).status == "in_progress"
     cancelling = c.batches.cancel(b.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     b = wait_ended(c, b.id)
@@ -194,6 +199,9 @@ def test_a_cancelled_batch_stops_and_keeps_what_finished(d):
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 48 for r in out)
     with pytest.raises(openai.ConflictError):
         c.batches.cancel(b.id)
+    assert during == [c.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
+                                                max_tokens=12, temperature=0).choices[0].message.content
+                      for p in PROMPTS[:3]]
 
 
 def lazy_state(d) -> str:

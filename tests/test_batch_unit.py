@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from api_gateway import batch_lines as L
 from api_gateway import batch_store as S
-from api_gateway.batch_runner import BATCH_PRIORITY, BatchAuth
+from api_gateway.batch_runner import BatchAuth
+from servectl.wire.engine import BATCH_PRIORITY
 from api_gateway.keys import OPEN, Access, KeyRing, fingerprint
 from api_gateway.tenancy import PRIORITY_KINDS, KeyGate
 from servectl import config as C

@@ -64,7 +64,8 @@ PINS = [
     Pin("Scheduler.schedule", "vllm.v1.core.sched.scheduler:Scheduler.schedule",
         "engine_core/slot_preemption.py SlotPreemption wraps it: its full-batch test "
         "(running + num_waiting_for_streaming_input >= max_num_active_reqs), the waiting requests it "
-        "skips, its victim order (priority, arrival_time)"),
+        "skips, its victim order (priority, arrival_time); engine_core/batch_yield.py BatchYield wraps it: "
+        "its token budget is max_num_scheduled_tokens, read as it starts"),
     Pin("Scheduler._preempt_request", "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
         "engine_core/slot_preemption.py SlotPreemption.make_room calls it after popping the victim from running"),
     Pin("Scheduler._request_blocks_can_be_freed",
@@ -80,6 +81,15 @@ PINS = [
     Pin("Scheduler._handle_blocked_waiting_request",
         "vllm.v1.core.sched.scheduler:Scheduler._handle_blocked_waiting_request",
         "engine_core/slot_preemption.py SlotPreemption.ready mirrors which waiting requests it lets run"),
+    Pin("EngineCore.step_with_batch_queue", "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+        "engine_core/batch_yield.py BatchYield.step sets batch_queue_size (1 or vLLM's) only with the queue "
+        "empty, and wait_only relies on it popping the oldest batch when scheduler.has_requests() is false"),
+    Pin("EngineCore.batch_queue_size", "vllm.v1.engine.core:EngineCore.__init__",
+        "engine_core/batch_yield.py BatchYield reads and sets it", attr="batch_queue_size"),
+    *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+          "engine_core/batch_yield.py BatchYield.schedule reads it (max_num_scheduled_tokens: set for one "
+          "schedule(), the step's token budget)", attr=attr)
+      for attr in ("max_num_scheduled_tokens", "num_spec_tokens")),
     Pin("OutputProcessor.request_states", "vllm.v1.engine.output_processor:OutputProcessor.__init__",
         "engine_core/resume.py seed_detokenizer reads output_processor.request_states[request_id]",
         attr="request_states"),

@@ -55,6 +55,12 @@ class Resume(msgspec.Struct, kw_only=True, omit_defaults=True):
     deltas: list[ReplayedDelta] = []
 
 
+# The vLLM priority of a batch's line (api_gateway/batch_runner.py): after every interactive
+# request's (the fair share's tags count up from 0; clients' own default to 0). The engine
+# yields to interactive requests what only such lines use (engine_core/batch_yield.py).
+BATCH_PRIORITY = 1 << 30
+
+
 class Generate(_Msg, tag="generate"):
     """One engine request: the client's fields for vLLM's own request class.
 

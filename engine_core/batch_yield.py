@@ -1,0 +1,134 @@
+"""A batch's lines yield the engine to interactive requests: no step queued ahead of them, and
+their prefills in small portions.
+
+A batch's line has the lowest priority (``BATCH_PRIORITY``, api_gateway/batch_runner.py). When
+an interactive request arrives while the model runs only batch lines, two things would make it
+wait beyond the step running:
+
+- vLLM's async scheduling (``EngineCore.step_with_batch_queue``, two batches in its queue)
+  schedules step k+1 while step k runs, so the request waits for k, then for k+1 (scheduled
+  without it), before the step that holds its prompt. So while only batch lines run, and an
+  interactive request ran within ``YIELD_WINDOW_S``, the queue is one batch deep: each step is
+  scheduled once the last has returned, as vLLM's synchronous path does. The switch waits for the
+  batch queued ahead to return first (a call that only waits: vLLM's own path when nothing is to
+  be scheduled), so no step is lost or run twice; a request of better priority running, or the
+  window passed, puts it back to two. After the window a batch runs at full speed again: its
+  lines are not in a hurry, the interactive ones that come back pay one step more, once.
+- A batch's lines end together when their lengths match, and the next ones would be admitted
+  together: one step holding all their prompts (16 prompts of 32 tokens: four decode steps
+  long here). So within the window a step gives waiting batch lines at most ``PREFILL_TOKENS``
+  tokens, and none while an interactive request waits (that step's budget is its prompt and
+  the running sequences' next tokens).
+
+Only under the ``priority`` policy (servectl's default), where the lines' priority means
+something to vLLM. ``SERVECTL_BATCH_YIELD=0`` leaves vLLM's engine as it is (bench.batch's
+control). Measured in bench.batch (docs/batch.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from servectl.wire.engine import BATCH_PRIORITY
+
+YIELD_ENV = "SERVECTL_BATCH_YIELD"
+YIELD_WINDOW_S = 5.0  # how long after an interactive request ran the batch's steps stay one deep
+PREFILL_TOKENS = 64  # the prompt tokens of waiting batch lines one step takes, at most
+
+
+def interactive(request: Any) -> bool:
+    return request.priority < BATCH_PRIORITY
+
+
+def step_budget(running: int, spec_tokens: int, waiting: list[Any], full: int) -> int:
+    """Pure: the step's token budget when ``waiting`` (best first) is not empty — the running
+    sequences' next tokens, then the interactive prompts waiting whole, or ``PREFILL_TOKENS`` of
+    batch prompts when none waits."""
+    base = running * (1 + spec_tokens)
+    asked = [r for r in waiting if interactive(r)]
+    extra = sum(r.num_tokens - r.num_computed_tokens for r in asked) if asked else PREFILL_TOKENS
+    return max(1, min(full, base + extra))
+
+
+class BatchYield:
+    """On one vLLM ``EngineCore`` whose scheduler runs the priority policy."""
+
+    def __init__(self, core: Any, clock: Callable[[], float] = time.monotonic):
+        self.core = core
+        self.scheduler = core.scheduler
+        self.clock = clock
+        self.depth = getattr(core, "batch_queue_size", 1)  # vLLM's (2 with async scheduling)
+        self.pipelined = getattr(core, "batch_queue", None) is not None and self.depth > 1
+        self.last_interactive = float("-inf")  # when a request of better priority last ran
+        self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
+        self.inner = self.scheduler.schedule
+        self.scheduler.schedule = self.schedule
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        s = self.scheduler
+        if not s.waiting:
+            return self.inner(*args, **kwargs)
+        head = s.waiting.peek_request()
+        if interactive(head):
+            self.last_interactive = self.clock()
+            waiting = list(s.waiting)
+        elif self.clock() - self.last_interactive < YIELD_WINDOW_S:
+            waiting = [head]
+        else:  # no interactive request lately: the batch's prompts at vLLM's own pace
+            return self.inner(*args, **kwargs)
+        full = s.max_num_scheduled_tokens
+        s.max_num_scheduled_tokens = step_budget(len(s.running), s.num_spec_tokens, waiting, full)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            s.max_num_scheduled_tokens = full
+
+    def shallow(self) -> bool:
+        """Only batch lines run, and an interactive request ran within the window."""
+        running = self.scheduler.running
+        now = self.clock()
+        if any(interactive(r) for r in running) or (self.scheduler.waiting and interactive(
+                self.scheduler.waiting.peek_request())):
+            self.last_interactive = now
+            return False
+        return bool(running) and now - self.last_interactive < YIELD_WINDOW_S
+
+    def step(self, get_output: Callable[[], Any]) -> Any:
+        """``get_output`` (the in-process client's step) at the depth the running requests call for."""
+        core = self.core
+        if not self.pipelined:
+            return get_output()
+        if not self.shallow():
+            if core.batch_queue_size != self.depth and not core.batch_queue:
+                core.batch_queue_size = self.depth
+            return get_output()
+        if core.batch_queue_size != 1:
+            if core.batch_queue:
+                return self.wait_only(get_output)  # the step queued ahead returns first
+            core.batch_queue_size = 1
+        self.shallow_steps += 1
+        return get_output()
+
+    def wait_only(self, get_output: Callable[[], Any]) -> Any:
+        """One vLLM step that schedules nothing: the oldest queued batch's outputs."""
+        scheduler = self.scheduler
+        scheduler.has_requests = lambda: False  # step_with_batch_queue's "no new batch" path
+        try:
+            return get_output()
+        finally:
+            del scheduler.has_requests
+
+
+def batch_yield(core: Any) -> BatchYield | None:
+    """Installed where the scheduler runs the priority policy; None elsewhere."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    if os.environ.get(YIELD_ENV, "1") == "0":
+        return None
+    scheduler = getattr(core, "scheduler", None)
+    if getattr(scheduler, "policy", None) != SchedulingPolicy.PRIORITY:
+        return None
+    return BatchYield(core)

@@ -1,0 +1,140 @@
+"""engine_core/batch_yield.py: a batch's prefills in small portions and none while an interactive
+request waits (on vLLM's real ``Scheduler``, outputs made here), and the step queue one deep
+while only batch lines run (on a stand-in for vLLM's batch queue)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.vllm_unit
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from engine_core import batch_yield as Y  # noqa: E402
+from servectl.wire.engine import BATCH_PRIORITY  # noqa: E402
+from test_slot_preemption import HASHER, clock, scheduler, step  # noqa: E402
+
+
+def request(rid: str, priority: int, prompt: int = 40, max_tokens: int = 8) -> Request:
+    first = 1 + 1000 * next(clock)  # a prompt of its own: nothing from the prefix cache
+    return Request(rid, list(range(first, first + prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                   arrival_time=float(next(clock)), priority=priority, block_hasher=HASHER)
+
+
+def core_of(s):
+    return SimpleNamespace(scheduler=s, batch_queue=None, batch_queue_size=1)
+
+
+def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their_tokens():
+    s = scheduler(max_num_seqs=16)
+    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0  # one ran just now
+    lines = [request(f"line{i}", BATCH_PRIORITY) for i in range(16)]
+    for r in lines:
+        s.add_request(r)
+    out, _ = step(s)
+    assert sum(out.num_scheduled_tokens.values()) == Y.PREFILL_TOKENS  # not 16 prompts at once
+    for _ in range(20):
+        before = len(s.running)
+        out, ran = step(s)
+        assert sum(out.num_scheduled_tokens.values()) <= before + Y.PREFILL_TOKENS
+    while s.has_requests():
+        step(s)
+    assert all(len(r.output_token_ids) == 8 for r in lines)
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_without_it_or_long_after_an_interactive_request_a_step_takes_every_waiting_prompt(installed):
+    s = scheduler(max_num_seqs=16)
+    if installed:
+        Y.BatchYield(core_of(s), clock=lambda: Y.YIELD_WINDOW_S + 100.0).last_interactive = 0.0
+    for i in range(16):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY))
+    out, _ = step(s)
+    assert sum(out.num_scheduled_tokens.values()) == 512  # vLLM's whole budget (max_num_batched_tokens)
+
+
+def test_an_interactive_prompt_waiting_takes_the_step_beside_the_running_ones_alone():
+    s = scheduler(max_num_seqs=16)
+    Y.BatchYield(core_of(s))
+    for i in range(4):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16))
+    step(s)
+    while s.waiting:
+        step(s)
+    for i in range(4, 8):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY))  # waiting behind it
+    s.add_request(request("chat", 0, prompt=100))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["chat"] == 100
+    assert not any(rid in out.num_scheduled_tokens for rid in ("line4", "line5", "line6", "line7"))
+    assert all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+
+
+def test_the_budget_is_pure():
+    chat = SimpleNamespace(priority=0, num_tokens=30, num_computed_tokens=10)
+    line = SimpleNamespace(priority=BATCH_PRIORITY, num_tokens=50, num_computed_tokens=0)
+    assert Y.step_budget(4, 0, [line], 2048) == 4 + Y.PREFILL_TOKENS
+    assert Y.step_budget(4, 2, [chat, line], 2048) == 12 + 20
+    assert Y.step_budget(4, 0, [chat], 10) == 10  # never past vLLM's own
+
+
+class Scheduler:
+    def __init__(self, running):
+        self.running = running
+        self.waiting: list = []
+
+    def has_requests(self) -> bool:
+        return True
+
+
+class Core:
+    """vLLM's ``step_with_batch_queue`` as far as the queue goes: schedule when there is work and
+    room, return without waiting while the queue has room, else the oldest batch's outputs."""
+
+    def __init__(self, running):
+        self.scheduler = Scheduler(running)
+        self.batch_queue: deque = deque()
+        self.batch_queue_size = 2
+        self.scheduled = 0
+        self.returned: list[int] = []
+
+    def get_output(self):
+        assert len(self.batch_queue) < self.batch_queue_size
+        if self.scheduler.has_requests():
+            self.scheduled += 1
+            self.batch_queue.appendleft(self.scheduled)
+            if len(self.batch_queue) < self.batch_queue_size:
+                return None
+        out = self.batch_queue.pop()
+        self.returned.append(out)
+        return out
+
+
+def test_one_deep_while_only_batch_lines_run_after_an_interactive_one_no_step_lost():
+    now = [0.0]
+    batch = SimpleNamespace(priority=BATCH_PRIORITY)
+    chat = SimpleNamespace(priority=0)
+    core = Core([batch, chat])
+    yield_ = Y.BatchYield.__new__(Y.BatchYield)
+    yield_.__dict__.update(core=core, scheduler=core.scheduler, clock=lambda: now[0], depth=2, pipelined=True,
+                           last_interactive=float("-inf"), shallow_steps=0)
+    for _ in range(4):
+        yield_.step(core.get_output)
+    assert core.batch_queue_size == 2 and len(core.batch_queue) == 1  # an interactive one runs: two deep
+    core.scheduler.running = [batch]
+    yield_.step(core.get_output)  # the step queued ahead returns, nothing scheduled with it
+    assert core.batch_queue_size == 2 and not core.batch_queue
+    for _ in range(3):
+        out = yield_.step(core.get_output)
+        assert out == core.scheduled and not core.batch_queue  # scheduled and returned in one call
+    assert core.batch_queue_size == 1 and yield_.shallow_steps == 3
+    now[0] = Y.YIELD_WINDOW_S + 1  # no interactive request for the window: two deep again
+    yield_.step(core.get_output)
+    assert core.batch_queue_size == 2 and len(core.batch_queue) == 1
+    assert core.returned == sorted(core.returned) and len(set(core.returned)) == len(core.returned)
+    assert core.returned == list(range(1, core.scheduled))  # every step but the one queued, once, in order
