@@ -268,3 +268,34 @@ def test_a_finish_cut_short_anywhere_ends_the_same(tmp_path):
     assert store.file_data(ended.output_file_id).read_bytes() == out
     assert store.get_file(ended.error_file_id).bytes > 0
     assert not store.batch_path("batch_f", "output").exists()
+
+
+def test_a_batch_past_its_window_expires_its_lines_unanswered_and_keeps_the_answered(tmp_path):
+    """A runner that starts after the completion window (the daemon was down) sends nothing: the
+    answered lines stay, the rest are answered `batch_expired` in the error file."""
+    import asyncio
+
+    from api_gateway.batch_runner import BatchRunner
+
+    store = S.Store(tmp_path)
+    upload = store.upload_path()
+    upload.write_bytes(b"\n".join(line(c) for c in ("a", "b", "c")) + b"\n")
+    store.add_file(upload, S.FileRecord(id="file-x", bytes=1, created_at=1, filename="x", purpose="batch", owner="k"))
+    record = S.BatchRecord(id="batch_x", owner="k", runner=0, endpoint=CHAT, input_file_id="file-x",
+                           completion_window="24h", created_at=1, expires_at=2, status=S.IN_PROGRESS, total=3)
+    store.put_batch(record)
+    store.batch_path("batch_x", "output").write_bytes(L.output_line("b", 200, "r", {"ok": 1}))
+    runner = BatchRunner(store, 0, 1, lambda: C.BatchConfig(), BatchAuth(lambda label: None), "/nonexistent")
+
+    async def run() -> None:
+        runner.run(store.get_batch("batch_x"))
+        await asyncio.gather(*runner.tasks.values())
+
+    asyncio.run(run())
+    ended = store.get_batch("batch_x")
+    assert (ended.status, ended.completed, ended.failed) == (S.EXPIRED, 1, 2) and ended.expired_at
+    errors = [json.loads(x) for x in store.file_data(ended.error_file_id).read_bytes().splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == ["a", "c"]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert [json.loads(x)["custom_id"] for x in store.file_data(ended.output_file_id).read_bytes().splitlines()] == ["b"]
+    assert not store.batch_path("batch_x", "output").exists()  # the batch's own, once it has ended
