@@ -74,7 +74,9 @@ class BatchYield:
         head = s.waiting.peek_request()
         if interactive(head):
             self.last_interactive = self.clock()
-            waiting = list(s.waiting)
+            waiting = list(getattr(s.waiting, "_heap", s.waiting))  # (the heap as it is: no order needed)
+            if all(interactive(r) for r in waiting):  # no batch line waits: vLLM's own budget
+                return self.inner(*args, **kwargs)
         elif self.clock() - self.last_interactive < YIELD_WINDOW_S:
             waiting = [head]
         else:  # no interactive request lately: the batch's prompts at vLLM's own pace

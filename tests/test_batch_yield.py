@@ -138,3 +138,23 @@ def test_one_deep_while_only_batch_lines_run_after_an_interactive_one_no_step_lo
     assert core.batch_queue_size == 2 and len(core.batch_queue) == 1
     assert core.returned == sorted(core.returned) and len(set(core.returned)) == len(core.returned)
     assert core.returned == list(range(1, core.scheduled))  # every step but the one queued, once, in order
+
+
+def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
+    s = scheduler(max_num_seqs=16)
+    seen = []
+    real = s.schedule
+
+    def recording(*a, **k):
+        seen.append(s.max_num_scheduled_tokens)
+        return real(*a, **k)
+
+    s.schedule = recording
+    Y.BatchYield(core_of(s))
+    for i in range(3):
+        s.add_request(request(f"chat{i}", 0))
+    step(s)
+    s.add_request(request("line", BATCH_PRIORITY))
+    s.add_request(request("chat3", 0))
+    step(s)
+    assert seen[0] == 512 and seen[1] == 3 + 40  # the second: a batch line waits behind chat3

@@ -84,6 +84,9 @@ PINS = [
     Pin("EngineCore.step_with_batch_queue", "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
         "engine_core/batch_yield.py BatchYield.step sets batch_queue_size (1 or vLLM's) only with the queue "
         "empty, and wait_only relies on it popping the oldest batch when scheduler.has_requests() is false"),
+    Pin("PriorityRequestQueue._heap", "vllm.v1.core.sched.request_queue:PriorityRequestQueue.__init__",
+        "engine_core/batch_yield.py BatchYield.schedule reads the waiting requests from it, in no order",
+        attr="_heap"),
     Pin("EngineCore.batch_queue_size", "vllm.v1.engine.core:EngineCore.__init__",
         "engine_core/batch_yield.py BatchYield reads and sets it", attr="batch_queue_size"),
     *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
