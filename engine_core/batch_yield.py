@@ -43,11 +43,18 @@ def interactive(request: Any) -> bool:
     return request.priority < BATCH_PRIORITY
 
 
-def step_budget(running: int, spec_tokens: int, waiting: list[Any], full: int) -> int:
-    """Pure: the step's token budget when ``waiting`` (best first) is not empty — the running
-    sequences' next tokens, then the interactive prompts waiting whole, or ``PREFILL_TOKENS`` of
+def need(request: Any) -> int:
+    """The tokens a running request asks of the next step (vLLM's running pass: its prompt's rest
+    mid-prefill, else its next token and drafts, async placeholders counted), at least 1."""
+    return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
+
+
+def step_budget(running: list[Any], waiting: list[Any], full: int) -> int:
+    """Pure: the step's token budget when ``waiting`` is not empty — all the running requests ask
+    (vLLM's running pass goes first, in admission order: less would starve the ones behind a
+    prompt mid-prefill), then the interactive prompts waiting whole, or ``PREFILL_TOKENS`` of
     batch prompts when none waits."""
-    base = running * (1 + spec_tokens)
+    base = sum(need(r) for r in running)
     asked = [r for r in waiting if interactive(r)]
     extra = sum(r.num_tokens - r.num_computed_tokens for r in asked) if asked else PREFILL_TOKENS
     return max(1, min(full, base + extra))
@@ -56,16 +63,21 @@ def step_budget(running: int, spec_tokens: int, waiting: list[Any], full: int) -
 class BatchYield:
     """On one vLLM ``EngineCore`` whose scheduler runs the priority policy."""
 
-    def __init__(self, core: Any, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, core: Any, clock: Callable[[], float] = time.monotonic, budget: bool = True):
         self.core = core
         self.scheduler = core.scheduler
         self.clock = clock
         self.depth = getattr(core, "batch_queue_size", 1)  # vLLM's (2 with async scheduling)
-        self.pipelined = getattr(core, "batch_queue", None) is not None and self.depth > 1
+        # Async scheduling's two, not pipeline parallelism's stages; and not with drafts on vLLM's
+        # V1 model runner, which counts a step's drafts as accepted until the next step's update
+        # (one deep, the scheduler would have rolled them back already).
+        self.pipelined = (getattr(core, "batch_queue", None) is not None and self.depth == 2
+                          and (not self.scheduler.num_spec_tokens or self.scheduler.use_v2_model_runner))
         self.last_interactive = float("-inf")  # when a request of better priority last ran
         self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
         self.inner = self.scheduler.schedule
-        self.scheduler.schedule = self.schedule
+        if budget:
+            self.scheduler.schedule = self.schedule
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         s = self.scheduler
@@ -82,7 +94,7 @@ class BatchYield:
         else:  # no interactive request lately: the batch's prompts at vLLM's own pace
             return self.inner(*args, **kwargs)
         full = s.max_num_scheduled_tokens
-        s.max_num_scheduled_tokens = step_budget(len(s.running), s.num_spec_tokens, waiting, full)
+        s.max_num_scheduled_tokens = step_budget(s.running, waiting, full)
         try:
             return self.inner(*args, **kwargs)
         finally:
@@ -133,4 +145,6 @@ def batch_yield(core: Any) -> BatchYield | None:
     scheduler = getattr(core, "scheduler", None)
     if getattr(scheduler, "policy", None) != SchedulingPolicy.PRIORITY:
         return None
-    return BatchYield(core)
+    # Without chunked prefill a prompt larger than the step's budget is never scheduled, and
+    # vLLM's waiting pass stops at it: the budget is left to vLLM (the step queue still yields).
+    return BatchYield(core, budget=scheduler.scheduler_config.enable_chunked_prefill)

@@ -30,6 +30,34 @@ def core_of(s):
     return SimpleNamespace(scheduler=s, batch_queue=None, batch_queue_size=1)
 
 
+def test_a_batch_prompt_mid_prefill_never_takes_an_interactive_prompts_step():
+    """A long batch prompt admitted in a portion, then a chat prompt: the chat's prompt runs whole
+    in the next step, beside the rest of the batch line's (vLLM's running pass goes first)."""
+    s = scheduler(max_num_seqs=16)
+    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0
+    for i in range(4):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16))
+    while s.waiting or not s.running:
+        step(s)
+    long = request("long", BATCH_PRIORITY, prompt=300)
+    s.add_request(long)
+    step(s)
+    assert 0 < long.num_computed_tokens < 300  # a portion
+    s.add_request(request("chat", 0, prompt=100))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["chat"] == 100 and all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+
+
+def test_without_chunked_prefill_the_budget_is_vllms():
+    from unittest import mock
+
+    s = scheduler(max_num_seqs=16)
+    real = s.schedule
+    with mock.patch.object(s.scheduler_config, "enable_chunked_prefill", False):
+        y = Y.batch_yield(core_of(s))
+    assert y is not None and s.schedule == real  # not wrapped: a prompt past a small budget would never run
+
+
 def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their_tokens():
     s = scheduler(max_num_seqs=16)
     Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0  # one ran just now
@@ -39,7 +67,7 @@ def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their
     out, _ = step(s)
     assert sum(out.num_scheduled_tokens.values()) == Y.PREFILL_TOKENS  # not 16 prompts at once
     for _ in range(20):
-        before = len(s.running)
+        before = sum(Y.need(r) for r in s.running)  # what the running ask, then a portion for the waiting
         out, ran = step(s)
         assert sum(out.num_scheduled_tokens.values()) <= before + Y.PREFILL_TOKENS
     while s.has_requests():
@@ -78,9 +106,13 @@ def test_an_interactive_prompt_waiting_takes_the_step_beside_the_running_ones_al
 def test_the_budget_is_pure():
     chat = SimpleNamespace(priority=0, num_tokens=30, num_computed_tokens=10)
     line = SimpleNamespace(priority=BATCH_PRIORITY, num_tokens=50, num_computed_tokens=0)
-    assert Y.step_budget(4, 0, [line], 2048) == 4 + Y.PREFILL_TOKENS
-    assert Y.step_budget(4, 2, [chat, line], 2048) == 12 + 20
-    assert Y.step_budget(4, 0, [chat], 10) == 10  # never past vLLM's own
+    decoding = [SimpleNamespace(num_tokens_with_spec=20, num_output_placeholders=0, num_computed_tokens=19)] * 4
+    drafting = [SimpleNamespace(num_tokens_with_spec=22, num_output_placeholders=1, num_computed_tokens=20)] * 4
+    prefilling = SimpleNamespace(num_tokens_with_spec=450, num_output_placeholders=0, num_computed_tokens=64)
+    assert Y.step_budget(decoding, [line], 2048) == 4 + Y.PREFILL_TOKENS
+    assert Y.step_budget(drafting, [chat, line], 2048) == 12 + 20
+    assert Y.step_budget([*decoding, prefilling], [chat], 2048) == 4 + 386 + 20  # its whole rest first
+    assert Y.step_budget(decoding, [chat], 10) == 10  # never past vLLM's own
 
 
 class Scheduler:
@@ -158,3 +190,13 @@ def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
     s.add_request(request("chat3", 0))
     step(s)
     assert seen[0] == 512 and seen[1] == 3 + 40  # the second: a batch line waits behind chat3
+
+
+@pytest.mark.parametrize("spec, v2, depth, switches", [(0, False, 2, True), (3, False, 2, False), (3, True, 2, True),
+                                                       (0, False, 3, False)])
+def test_the_queue_switches_only_for_async_schedulings_two_and_not_with_v1_drafts(spec, v2, depth, switches):
+    core = Core([])
+    core.scheduler.num_spec_tokens, core.scheduler.use_v2_model_runner = spec, v2
+    core.scheduler.schedule = lambda: None
+    core.batch_queue_size = depth
+    assert Y.BatchYield(core).pipelined is switches

@@ -87,6 +87,12 @@ PINS = [
     Pin("PriorityRequestQueue._heap", "vllm.v1.core.sched.request_queue:PriorityRequestQueue.__init__",
         "engine_core/batch_yield.py BatchYield.schedule reads the waiting requests from it, in no order",
         attr="_heap"),
+    Pin("Request.num_output_placeholders", "vllm.v1.request:Request.__init__",
+        "engine_core/batch_yield.py need() counts them in what a running request asks of a step, as "
+        "Scheduler.schedule's running pass does", attr="num_output_placeholders"),
+    Pin("Scheduler.use_v2_model_runner", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        "engine_core/batch_yield.py BatchYield keeps two steps queued with drafts on the V1 model runner",
+        attr="use_v2_model_runner"),
     Pin("EngineCore.batch_queue_size", "vllm.v1.engine.core:EngineCore.__init__",
         "engine_core/batch_yield.py BatchYield reads and sets it", attr="batch_queue_size"),
     *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
