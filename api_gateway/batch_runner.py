@@ -312,8 +312,6 @@ class BatchRunner:
         if record.status == S.COMPLETED:
             record.completed_at = int(time.time())
         self._ended_record(record)
-        for suffix in ("output", "errors", "progress"):
-            self.store.batch_path(record.id, suffix).unlink(missing_ok=True)
 
     def _results_files(self, record: S.BatchRecord) -> None:
         """The output and error files become files of the Files API (ids fixed by the batch's: a
@@ -337,14 +335,14 @@ class BatchRunner:
         record.errors = errors or [S.BatchError(code=code, message=message)]
         self._results_files(record)  # what was answered before it failed is kept
         self._ended_record(record)
-        for suffix in ("output", "errors", "progress"):
-            self.store.batch_path(record.id, suffix).unlink(missing_ok=True)
 
     def _ended_record(self, record: S.BatchRecord) -> None:
         expire = self.cfg().expire_after_s
         record.gone_at = int(time.time() + expire) if expire else None
         self.store.put_batch(record)
-        self.store.batch_path(record.id, "cancel").unlink(missing_ok=True)
+        # The batch's own results go once the record says it ended (published as files before it).
+        for suffix in ("output", "errors", "progress", "cancel"):
+            self.store.batch_path(record.id, suffix).unlink(missing_ok=True)
         log.info("batch %s %s: %d of %d answered, %d failed", record.id, record.status, record.completed,
                  record.total, record.failed)
 

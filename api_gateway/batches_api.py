@@ -20,7 +20,7 @@ from api_gateway import batch_store as S
 from api_gateway.batch_runner import BatchRunner
 from api_gateway.bodies import read_bounded
 from api_gateway.errors import HttpError
-from api_gateway.files_api import owner_of, page, visible
+from api_gateway.files_api import list_response, owner_of, page, visible
 from servectl.config import GatewayConfig
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -107,11 +107,7 @@ class BatchesApi:
         self.store.sweep(time.time())
         key = owner_of(request)
         records = [r for r in self.store.list_batches() if visible(key, r.owner)]
-        shown, more = page(request, records, lambda r: r.id)
-        data = [S.batch_object(r) for r in shown]
-        return web.json_response({"object": "list", "data": data, "has_more": more,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None})
+        return list_response(*page(request, records, lambda r: r.id), S.batch_object)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         return web.json_response(S.batch_object(self.owned(request)))

@@ -51,6 +51,13 @@ def page(request: web.Request, items: Iterable[Any], id_of: Callable[[Any], str]
     return ordered[:limit], len(ordered) > limit
 
 
+def list_response(shown: list[Any], more: bool, to_object: Callable[[Any], dict]) -> web.Response:
+    """OpenAI's list object of a page (``page``)."""
+    data = [to_object(r) for r in shown]
+    return web.json_response({"object": "list", "data": data, "has_more": more,
+                              "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
 class FilesApi:
     def __init__(self, store: S.Store, cfg: Callable[[], GatewayConfig]):
         self.store = store
@@ -142,11 +149,7 @@ class FilesApi:
         key, purpose = owner_of(request), request.query.get("purpose")
         records = [r for r in self.store.list_files()
                    if visible(key, r.owner) and (purpose is None or r.purpose == purpose)]
-        shown, more = page(request, records, lambda r: r.id)
-        data = [S.file_object(r) for r in shown]
-        return web.json_response({"object": "list", "data": data, "has_more": more,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None})
+        return list_response(*page(request, records, lambda r: r.id), S.file_object)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         return web.json_response(S.file_object(self.owned(request)))

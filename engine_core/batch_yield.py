@@ -75,13 +75,23 @@ class BatchYield:
                           and (not self.scheduler.num_spec_tokens or self.scheduler.use_v2_model_runner))
         self.last_interactive = float("-inf")  # when a request of better priority last ran
         self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
+        # Whether a batch line ever came: until one does, each step costs one test of it (an engine
+        # serving no batch is vLLM's, and its per-step path stays as it was).
+        self.batches_seen = False
+        self.add = self.scheduler.add_request
+        self.scheduler.add_request = self.add_request
         self.inner = self.scheduler.schedule
         if budget:
             self.scheduler.schedule = self.schedule
 
+    def add_request(self, request: Any) -> None:
+        if not interactive(request):
+            self.batches_seen = True
+        self.add(request)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         s = self.scheduler
-        if not s.waiting:
+        if not self.batches_seen or not s.waiting:
             return self.inner(*args, **kwargs)
         head = s.waiting.peek_request()
         if interactive(head):
@@ -113,7 +123,7 @@ class BatchYield:
     def step(self, get_output: Callable[[], Any]) -> Any:
         """``get_output`` (the in-process client's step) at the depth the running requests call for."""
         core = self.core
-        if not self.pipelined:
+        if not self.pipelined or not self.batches_seen:
             return get_output()
         if not self.shallow():
             if core.batch_queue_size != self.depth and not core.batch_queue:

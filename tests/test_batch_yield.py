@@ -120,6 +120,9 @@ class Scheduler:
         self.running = running
         self.waiting: list = []
 
+    def add_request(self, request) -> None:
+        self.running.append(request)
+
     def has_requests(self) -> bool:
         return True
 
@@ -154,7 +157,7 @@ def test_one_deep_while_only_batch_lines_run_after_an_interactive_one_no_step_lo
     core = Core([batch, chat])
     yield_ = Y.BatchYield.__new__(Y.BatchYield)
     yield_.__dict__.update(core=core, scheduler=core.scheduler, clock=lambda: now[0], depth=2, pipelined=True,
-                           last_interactive=float("-inf"), shallow_steps=0)
+                           last_interactive=float("-inf"), shallow_steps=0, batches_seen=True)
     for _ in range(4):
         yield_.step(core.get_output)
     assert core.batch_queue_size == 2 and len(core.batch_queue) == 1  # an interactive one runs: two deep

@@ -93,6 +93,8 @@ PINS = [
     Pin("Scheduler.use_v2_model_runner", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
         "engine_core/batch_yield.py BatchYield keeps two steps queued with drafts on the V1 model runner",
         attr="use_v2_model_runner"),
+    Pin("Scheduler.add_request", "vllm.v1.core.sched.scheduler:Scheduler.add_request",
+        "engine_core/batch_yield.py BatchYield wraps it to learn a batch line came (each request passes it)"),
     Pin("EngineCore.batch_queue_size", "vllm.v1.engine.core:EngineCore.__init__",
         "engine_core/batch_yield.py BatchYield reads and sets it", attr="batch_queue_size"),
     *(Pin(f"Scheduler.{attr}", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
