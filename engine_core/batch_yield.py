@@ -14,11 +14,16 @@ wait beyond the step running:
   be scheduled), so no step is lost or run twice; a request of better priority running, or the
   window passed, puts it back to two. After the window a batch runs at full speed again: its
   lines are not in a hurry, the interactive ones that come back pay one step more, once.
+- The step that takes an interactive request's prompt would also run every batch line's next
+  token (vLLM's running pass goes first): a step as long as a batch decode step plus the prompt.
+  So that step is the interactive requests' alone: the running batch lines sit it out, by
+  vLLM's own per-request skip (``Request.next_decode_eligible_step``, which vLLM's diffusion
+  scheduler sets the same way), once per interactive request reaching the head of the queue
+  (one vLLM cannot admit yet costs the batch one step, not a step each time it is tried).
 - A batch's lines end together when their lengths match, and the next ones would be admitted
   together: one step holding all their prompts (16 prompts of 32 tokens: four decode steps
   long here). So within the window a step gives waiting batch lines at most ``PREFILL_TOKENS``
-  tokens, and none while an interactive request waits (that step's budget is its prompt and
-  the running sequences' next tokens).
+  tokens, and none while an interactive request waits.
 
 Only under the ``priority`` policy (servectl's default), where the lines' priority means
 something to vLLM. ``SERVECTL_BATCH_YIELD=0`` leaves vLLM's engine as it is (bench.batch's
@@ -49,12 +54,12 @@ def need(request: Any) -> int:
     return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
 
 
-def step_budget(running: list[Any], waiting: list[Any], full: int) -> int:
-    """Pure: the step's token budget when ``waiting`` is not empty — all the running requests ask
-    (vLLM's running pass goes first, in admission order: less would starve the ones behind a
-    prompt mid-prefill), then the interactive prompts waiting whole, or ``PREFILL_TOKENS`` of
-    batch prompts when none waits."""
-    base = sum(need(r) for r in running)
+def step_budget(running: list[Any], waiting: list[Any], full: int, step: int) -> int:
+    """Pure: the step's token budget when ``waiting`` is not empty — all the running requests
+    scheduled in step ``step`` ask (vLLM's running pass goes first, in admission order: less would
+    starve the ones behind a prompt mid-prefill), then the interactive prompts waiting whole, or
+    ``PREFILL_TOKENS`` of batch prompts when none waits."""
+    base = sum(need(r) for r in running if r.next_decode_eligible_step <= step)
     asked = [r for r in waiting if interactive(r)]
     extra = sum(r.num_tokens - r.num_computed_tokens for r in asked) if asked else PREFILL_TOKENS
     return max(1, min(full, base + extra))
@@ -75,6 +80,7 @@ class BatchYield:
                           and (not self.scheduler.num_spec_tokens or self.scheduler.use_v2_model_runner))
         self.last_interactive = float("-inf")  # when a request of better priority last ran
         self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
+        self.solo_for: str | None = None  # the interactive request the batch lines last sat a step out for
         # Whether a batch line ever came: until one does, each step costs one test of it (an engine
         # serving no batch is vLLM's, and its per-step path stays as it was).
         self.batches_seen = False
@@ -96,6 +102,8 @@ class BatchYield:
         head = s.waiting.peek_request()
         if interactive(head):
             self.last_interactive = self.clock()
+            if head.request_id != self.solo_for:
+                self.sit_out(head.request_id)
             waiting = list(getattr(s.waiting, "_heap", s.waiting))  # (the heap as it is: no order needed)
             if all(interactive(r) for r in waiting):  # no batch line waits: vLLM's own budget
                 return self.inner(*args, **kwargs)
@@ -104,11 +112,21 @@ class BatchYield:
         else:  # no interactive request lately: the batch's prompts at vLLM's own pace
             return self.inner(*args, **kwargs)
         full = s.max_num_scheduled_tokens
-        s.max_num_scheduled_tokens = step_budget(s.running, waiting, full)
+        s.max_num_scheduled_tokens = step_budget(s.running, waiting, full, s.current_step + 1)
         try:
             return self.inner(*args, **kwargs)
         finally:
             s.max_num_scheduled_tokens = full
+
+    def sit_out(self, request_id: str) -> None:
+        """The running batch lines skip the step being scheduled (schedule() counts it as
+        ``current_step + 1`` and skips a request while ``current_step`` is below its mark; max
+        keeps a longer wait vLLM set itself)."""
+        self.solo_for = request_id
+        mark = self.scheduler.current_step + 2
+        for r in self.scheduler.running:
+            if not interactive(r):
+                r.next_decode_eligible_step = max(r.next_decode_eligible_step, mark)
 
     def shallow(self) -> bool:
         """Only batch lines run, and an interactive request ran within the window."""

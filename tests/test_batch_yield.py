@@ -32,7 +32,7 @@ def core_of(s):
 
 def test_a_batch_prompt_mid_prefill_never_takes_an_interactive_prompts_step():
     """A long batch prompt admitted in a portion, then a chat prompt: the chat's prompt runs whole
-    in the next step, beside the rest of the batch line's (vLLM's running pass goes first)."""
+    in the next step, alone; the batch lines (the one mid-prefill too) go on in the step after."""
     s = scheduler(max_num_seqs=16)
     Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0
     for i in range(4):
@@ -45,7 +45,12 @@ def test_a_batch_prompt_mid_prefill_never_takes_an_interactive_prompts_step():
     assert 0 < long.num_computed_tokens < 300  # a portion
     s.add_request(request("chat", 0, prompt=100))
     out, _ = step(s)
-    assert out.num_scheduled_tokens["chat"] == 100 and all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+    assert out.num_scheduled_tokens == {"chat": 100}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["long"] > 0 and all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+    while s.has_requests():
+        step(s)
+    assert long.num_computed_tokens >= 300 and len(long.output_token_ids) == 8
 
 
 def test_without_chunked_prefill_the_budget_is_vllms():
@@ -86,7 +91,7 @@ def test_without_it_or_long_after_an_interactive_request_a_step_takes_every_wait
     assert sum(out.num_scheduled_tokens.values()) == 512  # vLLM's whole budget (max_num_batched_tokens)
 
 
-def test_an_interactive_prompt_waiting_takes_the_step_beside_the_running_ones_alone():
+def test_an_interactive_prompt_waiting_takes_a_step_of_its_own_and_the_batch_goes_on_after():
     s = scheduler(max_num_seqs=16)
     Y.BatchYield(core_of(s))
     for i in range(4):
@@ -98,21 +103,49 @@ def test_an_interactive_prompt_waiting_takes_the_step_beside_the_running_ones_al
         s.add_request(request(f"line{i}", BATCH_PRIORITY))  # waiting behind it
     s.add_request(request("chat", 0, prompt=100))
     out, _ = step(s)
-    assert out.num_scheduled_tokens["chat"] == 100
-    assert not any(rid in out.num_scheduled_tokens for rid in ("line4", "line5", "line6", "line7"))
-    assert all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+    assert out.num_scheduled_tokens == {"chat": 100}  # the running lines sit this one out, the waiting too
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["chat"] == 1 and all(out.num_scheduled_tokens[f"line{i}"] == 1 for i in range(4))
+
+
+def test_the_batch_sits_out_one_step_per_interactive_request_even_one_vllm_cannot_admit():
+    """A chat request vLLM cannot admit (every slot taken by a better one): the batch lines lose
+    one step for it, not every step it waits."""
+    s = scheduler(max_num_seqs=4)
+    y = Y.BatchYield(core_of(s))
+    for i in range(2):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16, max_tokens=40))
+    for i in range(2):
+        s.add_request(request(f"chat{i}", 0, prompt=16, max_tokens=40))
+    while s.waiting:
+        step(s)
+    blocked = request("blocked", 5, prompt=16)  # no slot (no slot preemption on this scheduler): it waits
+    s.add_request(blocked)
+    skipped = 0
+    for _ in range(6):
+        out, _ = step(s)
+        skipped += not any(rid.startswith("line") for rid in out.num_scheduled_tokens)
+    assert y.solo_for == "blocked" and skipped <= 1
 
 
 def test_the_budget_is_pure():
     chat = SimpleNamespace(priority=0, num_tokens=30, num_computed_tokens=10)
     line = SimpleNamespace(priority=BATCH_PRIORITY, num_tokens=50, num_computed_tokens=0)
-    decoding = [SimpleNamespace(num_tokens_with_spec=20, num_output_placeholders=0, num_computed_tokens=19)] * 4
-    drafting = [SimpleNamespace(num_tokens_with_spec=22, num_output_placeholders=1, num_computed_tokens=20)] * 4
-    prefilling = SimpleNamespace(num_tokens_with_spec=450, num_output_placeholders=0, num_computed_tokens=64)
-    assert Y.step_budget(decoding, [line], 2048) == 4 + Y.PREFILL_TOKENS
-    assert Y.step_budget(drafting, [chat, line], 2048) == 12 + 20
-    assert Y.step_budget([*decoding, prefilling], [chat], 2048) == 4 + 386 + 20  # its whole rest first
-    assert Y.step_budget(decoding, [chat], 10) == 10  # never past vLLM's own
+    def running(n, **kw):
+        return [SimpleNamespace(next_decode_eligible_step=0, **kw) for _ in range(n)]
+
+    decoding = running(4, num_tokens_with_spec=20, num_output_placeholders=0, num_computed_tokens=19)
+    drafting = running(4, num_tokens_with_spec=22, num_output_placeholders=1, num_computed_tokens=20)
+    prefilling = running(1, num_tokens_with_spec=450, num_output_placeholders=0, num_computed_tokens=64)
+    sitting = running(3, num_tokens_with_spec=20, num_output_placeholders=0, num_computed_tokens=19)
+    for r in sitting:
+        r.next_decode_eligible_step = 8
+    assert Y.step_budget(decoding, [line], 2048, 7) == 4 + Y.PREFILL_TOKENS
+    assert Y.step_budget(drafting, [chat, line], 2048, 7) == 12 + 20
+    assert Y.step_budget([*decoding, *prefilling], [chat], 2048, 7) == 4 + 386 + 20  # its whole rest first
+    assert Y.step_budget(decoding, [chat], 10, 7) == 10  # never past vLLM's own
+    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 7) == 4 + 20  # those sitting the step out ask nothing
+    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 8) == 7 + 20
 
 
 class Scheduler:

@@ -65,7 +65,9 @@ PINS = [
         "engine_core/slot_preemption.py SlotPreemption wraps it: its full-batch test "
         "(running + num_waiting_for_streaming_input >= max_num_active_reqs), the waiting requests it "
         "skips, its victim order (priority, arrival_time); engine_core/batch_yield.py BatchYield wraps it: "
-        "its token budget is max_num_scheduled_tokens, read as it starts"),
+        "its token budget is max_num_scheduled_tokens, read as it starts; BatchYield.sit_out relies on it "
+        "advancing current_step first and skipping a running request while current_step < its "
+        "next_decode_eligible_step"),
     Pin("Scheduler._preempt_request", "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
         "engine_core/slot_preemption.py SlotPreemption.make_room calls it after popping the victim from running"),
     Pin("Scheduler._request_blocks_can_be_freed",
@@ -90,6 +92,12 @@ PINS = [
     Pin("Request.num_output_placeholders", "vllm.v1.request:Request.__init__",
         "engine_core/batch_yield.py need() counts them in what a running request asks of a step, as "
         "Scheduler.schedule's running pass does", attr="num_output_placeholders"),
+    Pin("Request.next_decode_eligible_step", "vllm.v1.request:Request.__init__",
+        "engine_core/batch_yield.py BatchYield.sit_out raises it (never lowers it) so running batch lines skip "
+        "one step, and step_budget reads it", attr="next_decode_eligible_step"),
+    Pin("Scheduler.current_step", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        "engine_core/batch_yield.py BatchYield.sit_out and schedule read it (schedule() adds one as it starts)",
+        attr="current_step"),
     Pin("Scheduler.use_v2_model_runner", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
         "engine_core/batch_yield.py BatchYield keeps two steps queued with drafts on the V1 model runner",
         attr="use_v2_model_runner"),
