@@ -1,33 +1,39 @@
-"""A batch's lines yield the engine to interactive requests: no step queued ahead of them, and
-their prefills in small portions.
+"""A batch's lines yield the engine to interactive requests, and a flood's requests to a newcomer:
+no step queued ahead of them, the step of their prompt their own, the others' prefills in small
+portions.
 
-A batch's line has the lowest priority (``BATCH_PRIORITY``, api_gateway/batch_runner.py). When
-an interactive request arrives while the model runs only batch lines, two things would make it
-wait beyond the step running:
+A batch's line has the lowest priority (``BATCH_PRIORITY``, api_gateway/batch_runner.py): it
+yields to every other request. A newcomer is a request that arrives with a better priority than
+every running one — another key's first request while one key floods (the fair share's tags,
+api_gateway/fair_share.py, only rise while a key has requests in flight, so one key's never
+are), or a client's own better ``priority``; for ``YIELD_WINDOW_S`` after one ran, the requests
+of a worse priority than the newcomers' yield too (``BatchYield.boundary``). When a request
+yielded to arrives while only yielding ones run, three things would make it wait beyond the
+step running:
 
 - vLLM's async scheduling (``EngineCore.step_with_batch_queue``, two batches in its queue)
   schedules step k+1 while step k runs, so the request waits for k, then for k+1 (scheduled
-  without it), before the step that holds its prompt. So while only batch lines run, and an
-  interactive request ran within ``YIELD_WINDOW_S``, the queue is one batch deep: each step is
+  without it), before the step that holds its prompt. So while only yielding requests run, and
+  one yielded to ran within ``YIELD_WINDOW_S``, the queue is one batch deep: each step is
   scheduled once the last has returned, as vLLM's synchronous path does. The switch waits for the
   batch queued ahead to return first (a call that only waits: vLLM's own path when nothing is to
-  be scheduled), so no step is lost or run twice; a request of better priority running, or the
-  window passed, puts it back to two. After the window a batch runs at full speed again: its
-  lines are not in a hurry, the interactive ones that come back pay one step more, once.
-- The step that takes an interactive request's prompt would also run every batch line's next
-  token (vLLM's running pass goes first): a step as long as a batch decode step plus the prompt.
-  So that step is the interactive requests' alone: the running batch lines sit it out, by
-  vLLM's own per-request skip (``Request.next_decode_eligible_step``, which vLLM's diffusion
-  scheduler sets the same way), once per interactive request reaching the head of the queue
-  (one vLLM cannot admit yet costs the batch one step, not a step each time it is tried).
-- A batch's lines end together when their lengths match, and the next ones would be admitted
-  together: one step holding all their prompts (16 prompts of 32 tokens: four decode steps
-  long here). So within the window a step gives waiting batch lines at most ``PREFILL_TOKENS``
-  tokens, and none while an interactive request waits.
+  be scheduled), so no step is lost or run twice; a request yielded to running, or the window
+  passed, puts it back to two. After the window the others run at full speed again: the request
+  that comes back after it pays one step more, once.
+- The step that takes its prompt would also run every running request's next token (vLLM's
+  running pass goes first): a step as long as a full decode step plus the prompt. So that step
+  is its own: the running requests that yield sit it out, by vLLM's own per-request skip
+  (``Request.next_decode_eligible_step``, which vLLM's diffusion scheduler sets the same way),
+  once per request reaching the head of the queue (one vLLM cannot admit yet costs the others
+  one step, not a step each time it is tried).
+- Requests that started together end together when their lengths match, and the next ones
+  would be admitted together: one step holding all their prompts (16 prompts of 32 tokens: four
+  decode steps long here). So within the window a step gives waiting requests that yield at most
+  ``PREFILL_TOKENS`` tokens, and none while one yielded to waits.
 
 Only under the ``priority`` policy (servectl's default), where the lines' priority means
 something to vLLM. ``SERVECTL_BATCH_YIELD=0`` leaves vLLM's engine as it is (bench.batch's
-control). Measured in bench.batch (docs/batch.md).
+control). Measured in bench.batch (docs/batch.md) and bench.fair_share (docs/tenancy.md).
 """
 
 from __future__ import annotations
@@ -40,12 +46,9 @@ from typing import Any
 from servectl.wire.engine import BATCH_PRIORITY
 
 YIELD_ENV = "SERVECTL_BATCH_YIELD"
-YIELD_WINDOW_S = 5.0  # how long after an interactive request ran the batch's steps stay one deep
-PREFILL_TOKENS = 64  # the prompt tokens of waiting batch lines one step takes, at most
-
-
-def interactive(request: Any) -> bool:
-    return request.priority < BATCH_PRIORITY
+YIELD_WINDOW_S = 5.0  # how long after a request yielded to ran the others' steps stay one deep
+PREFILL_TOKENS = 64  # the prompt tokens of waiting requests that yield one step takes, at most
+BASE = BATCH_PRIORITY - 1  # with no newcomer lately, only a batch's lines yield
 
 
 def need(request: Any) -> int:
@@ -54,13 +57,13 @@ def need(request: Any) -> int:
     return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
 
 
-def step_budget(running: list[Any], waiting: list[Any], full: int, step: int) -> int:
+def step_budget(running: list[Any], waiting: list[Any], full: int, step: int, above: int) -> int:
     """Pure: the step's token budget when ``waiting`` is not empty — all the running requests
     scheduled in step ``step`` ask (vLLM's running pass goes first, in admission order: less would
-    starve the ones behind a prompt mid-prefill), then the interactive prompts waiting whole, or
-    ``PREFILL_TOKENS`` of batch prompts when none waits."""
+    starve the ones behind a prompt mid-prefill), then the prompts waiting whole of the requests
+    yielded to (priority ``above`` or better), or ``PREFILL_TOKENS`` of the others' when none waits."""
     base = sum(need(r) for r in running if r.next_decode_eligible_step <= step)
-    asked = [r for r in waiting if interactive(r)]
+    asked = [r for r in waiting if r.priority <= above]
     extra = sum(r.num_tokens - r.num_computed_tokens for r in asked) if asked else PREFILL_TOKENS
     return max(1, min(full, base + extra))
 
@@ -78,70 +81,90 @@ class BatchYield:
         # (one deep, the scheduler would have rolled them back already).
         self.pipelined = (getattr(core, "batch_queue", None) is not None and self.depth == 2
                           and (not self.scheduler.num_spec_tokens or self.scheduler.use_v2_model_runner))
-        self.last_interactive = float("-inf")  # when a request of better priority last ran
+        self.last_favored = float("-inf")  # when a request yielded to last ran or waited
+        self.above = BASE  # the requests of a worse priority than this yield (see boundary)
         self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
-        self.solo_for: str | None = None  # the interactive request the batch lines last sat a step out for
-        # Whether a batch line ever came: until one does, each step costs one test of it (an engine
-        # serving no batch is vLLM's, and its per-step path stays as it was).
-        self.batches_seen = False
+        self.solo_for: str | None = None  # the request the others last sat a step out for
+        self.sat_out = 0  # steps the others sat out (the engine logs it at exit)
+        # Whether a batch line or a newcomer ever came: until one does, each step costs one test
+        # of it (an engine serving neither is vLLM's, and its per-step path stays as it was).
+        self.engaged = False
         self.add = self.scheduler.add_request
         self.scheduler.add_request = self.add_request
         self.inner = self.scheduler.schedule
         if budget:
             self.scheduler.schedule = self.schedule
 
+    def boundary(self) -> int:
+        """The worst priority yielded to: a batch line's better, or within a newcomer's window the
+        newcomers' worst (the requests of a worse priority yield)."""
+        if self.above != BASE and self.clock() - self.last_favored >= YIELD_WINDOW_S:
+            self.above = BASE  # the newcomers went quiet: only a batch's lines yield
+        return self.above
+
     def add_request(self, request: Any) -> None:
-        if not interactive(request):
-            self.batches_seen = True
+        """A batch line engages the yield; so does a newcomer — a request arriving with a better
+        priority than every running one (another key's first under a flood: the fair share's
+        tags; a client's own better ``priority``), which the running ones then yield to."""
+        p = request.priority
+        if p >= BATCH_PRIORITY:
+            self.engaged = True
+        elif self.scheduler.running and all(p < r.priority for r in self.scheduler.running):
+            self.engaged = True
+            now = self.clock()
+            recent = now - self.last_favored < YIELD_WINDOW_S and self.above != BASE
+            self.above = max(self.above, p) if recent else p  # every newcomer of the window yielded to
+            self.last_favored = now
         self.add(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         s = self.scheduler
-        if not self.batches_seen or not s.waiting:
+        if not self.engaged or not s.waiting:
             return self.inner(*args, **kwargs)
         head = s.waiting.peek_request()
-        if interactive(head):
-            self.last_interactive = self.clock()
+        above = self.boundary()
+        if head.priority <= above:
+            self.last_favored = self.clock()
             if head.request_id != self.solo_for:
-                self.sit_out(head.request_id)
+                self.sit_out(head.request_id, above)
             waiting = list(getattr(s.waiting, "_heap", s.waiting))  # (the heap as it is: no order needed)
-            if all(interactive(r) for r in waiting):  # no batch line waits: vLLM's own budget
+            if all(r.priority <= above for r in waiting):  # none that yields waits: vLLM's own budget
                 return self.inner(*args, **kwargs)
-        elif self.clock() - self.last_interactive < YIELD_WINDOW_S:
+        elif self.clock() - self.last_favored < YIELD_WINDOW_S:
             waiting = [head]
-        else:  # no interactive request lately: the batch's prompts at vLLM's own pace
+        else:  # nothing yielded to lately: the others' prompts at vLLM's own pace
             return self.inner(*args, **kwargs)
         full = s.max_num_scheduled_tokens
-        s.max_num_scheduled_tokens = step_budget(s.running, waiting, full, s.current_step + 1)
+        s.max_num_scheduled_tokens = step_budget(s.running, waiting, full, s.current_step + 1, above)
         try:
             return self.inner(*args, **kwargs)
         finally:
             s.max_num_scheduled_tokens = full
 
-    def sit_out(self, request_id: str) -> None:
-        """The running batch lines skip the step being scheduled (schedule() counts it as
+    def sit_out(self, request_id: str, above: int) -> None:
+        """The running requests that yield skip the step being scheduled (schedule() counts it as
         ``current_step + 1`` and skips a request while ``current_step`` is below its mark; max
         keeps a longer wait vLLM set itself)."""
         self.solo_for = request_id
         mark = self.scheduler.current_step + 2
-        for r in self.scheduler.running:
-            if not interactive(r):
-                r.next_decode_eligible_step = max(r.next_decode_eligible_step, mark)
+        yielding = [r for r in self.scheduler.running if r.priority > above]
+        for r in yielding:
+            r.next_decode_eligible_step = max(r.next_decode_eligible_step, mark)
+        self.sat_out += bool(yielding)
 
     def shallow(self) -> bool:
-        """Only batch lines run, and an interactive request ran within the window."""
-        running = self.scheduler.running
-        now = self.clock()
-        if any(interactive(r) for r in running) or (self.scheduler.waiting and interactive(
-                self.scheduler.waiting.peek_request())):
-            self.last_interactive = now
+        """Only requests that yield run, and one yielded to ran within the window."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        above = self.boundary()
+        if any(r.priority <= above for r in running) or (waiting and waiting.peek_request().priority <= above):
+            self.last_favored = self.clock()
             return False
-        return bool(running) and now - self.last_interactive < YIELD_WINDOW_S
+        return bool(running) and self.clock() - self.last_favored < YIELD_WINDOW_S
 
     def step(self, get_output: Callable[[], Any]) -> Any:
         """``get_output`` (the in-process client's step) at the depth the running requests call for."""
         core = self.core
-        if not self.pipelined or not self.batches_seen:
+        if not self.pipelined or not self.engaged:
             return get_output()
         if not self.shallow():
             if core.batch_queue_size != self.depth and not core.batch_queue:

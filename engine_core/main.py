@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = getattr(server.halves, "batches", None)
         log.info("stopping: %s; %s%s%s", group.counters(), server.counters(),
                  f"; slots taken by a better priority {slots.preempted}" if slots is not None else "",
-                 f"; steps one deep for batch lines {batches.shallow_steps}" if batches is not None else "")
+                 f"; yielding: steps one deep {batches.shallow_steps}, steps sat out {batches.sat_out}"
+                 if batches is not None else "")
         if traced is not None:
             traced.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

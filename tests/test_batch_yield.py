@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.vllm_unit
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from engine_core import batch_yield as Y  # noqa: E402
 from servectl.wire.engine import BATCH_PRIORITY  # noqa: E402
@@ -34,7 +34,7 @@ def test_a_batch_prompt_mid_prefill_never_takes_an_interactive_prompts_step():
     """A long batch prompt admitted in a portion, then a chat prompt: the chat's prompt runs whole
     in the next step, alone; the batch lines (the one mid-prefill too) go on in the step after."""
     s = scheduler(max_num_seqs=16)
-    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0
+    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_favored = 0.0
     for i in range(4):
         s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16))
     while s.waiting or not s.running:
@@ -65,7 +65,7 @@ def test_without_chunked_prefill_the_budget_is_vllms():
 
 def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their_tokens():
     s = scheduler(max_num_seqs=16)
-    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_interactive = 0.0  # one ran just now
+    Y.BatchYield(core_of(s), clock=lambda: 0.0).last_favored = 0.0  # one ran just now
     lines = [request(f"line{i}", BATCH_PRIORITY) for i in range(16)]
     for r in lines:
         s.add_request(r)
@@ -84,7 +84,7 @@ def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their
 def test_without_it_or_long_after_an_interactive_request_a_step_takes_every_waiting_prompt(installed):
     s = scheduler(max_num_seqs=16)
     if installed:
-        Y.BatchYield(core_of(s), clock=lambda: Y.YIELD_WINDOW_S + 100.0).last_interactive = 0.0
+        Y.BatchYield(core_of(s), clock=lambda: Y.YIELD_WINDOW_S + 100.0).last_favored = 0.0
     for i in range(16):
         s.add_request(request(f"line{i}", BATCH_PRIORITY))
     out, _ = step(s)
@@ -140,12 +140,15 @@ def test_the_budget_is_pure():
     sitting = running(3, num_tokens_with_spec=20, num_output_placeholders=0, num_computed_tokens=19)
     for r in sitting:
         r.next_decode_eligible_step = 8
-    assert Y.step_budget(decoding, [line], 2048, 7) == 4 + Y.PREFILL_TOKENS
-    assert Y.step_budget(drafting, [chat, line], 2048, 7) == 12 + 20
-    assert Y.step_budget([*decoding, *prefilling], [chat], 2048, 7) == 4 + 386 + 20  # its whole rest first
-    assert Y.step_budget(decoding, [chat], 10, 7) == 10  # never past vLLM's own
-    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 7) == 4 + 20  # those sitting the step out ask nothing
-    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 8) == 7 + 20
+    assert Y.step_budget(decoding, [line], 2048, 7, Y.BASE) == 4 + Y.PREFILL_TOKENS
+    assert Y.step_budget(drafting, [chat, line], 2048, 7, Y.BASE) == 12 + 20
+    assert Y.step_budget([*decoding, *prefilling], [chat], 2048, 7, Y.BASE) == 4 + 386 + 20  # its whole rest first
+    assert Y.step_budget(decoding, [chat], 10, 7, Y.BASE) == 10  # never past vLLM's own
+    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 7, Y.BASE) == 4 + 20  # those sitting the step out ask nothing
+    assert Y.step_budget([*decoding, *sitting], [chat, line], 2048, 8, Y.BASE) == 7 + 20
+    flood = SimpleNamespace(priority=3000, num_tokens=50, num_computed_tokens=0)
+    assert Y.step_budget(decoding, [chat, flood], 2048, 7, 0) == 4 + 20  # a newcomer's window: the flood's waits
+    assert Y.step_budget(decoding, [flood], 2048, 7, 0) == 4 + Y.PREFILL_TOKENS
 
 
 class Scheduler:
@@ -190,7 +193,7 @@ def test_one_deep_while_only_batch_lines_run_after_an_interactive_one_no_step_lo
     core = Core([batch, chat])
     yield_ = Y.BatchYield.__new__(Y.BatchYield)
     yield_.__dict__.update(core=core, scheduler=core.scheduler, clock=lambda: now[0], depth=2, pipelined=True,
-                           last_interactive=float("-inf"), shallow_steps=0, batches_seen=True)
+                           last_favored=float("-inf"), above=Y.BASE, shallow_steps=0, engaged=True)
     for _ in range(4):
         yield_.step(core.get_output)
     assert core.batch_queue_size == 2 and len(core.batch_queue) == 1  # an interactive one runs: two deep
@@ -236,3 +239,56 @@ def test_the_queue_switches_only_for_async_schedulings_two_and_not_with_v1_draft
     core.scheduler.schedule = lambda: None
     core.batch_queue_size = depth
     assert Y.BatchYield(core).pipelined is switches
+
+
+def flood_running(s, n: int = 8):
+    """A key's ``n`` requests running, as the fair share tags them (its k-th in flight: k * 1000)."""
+    reqs = [request(f"a{i}", i * 1000, prompt=16, max_tokens=60) for i in range(n)]
+    for r in reqs:
+        s.add_request(r)
+    while s.waiting:
+        step(s)
+    return reqs
+
+
+def test_a_flooding_keys_requests_yield_to_another_keys_first():
+    """Key A's 8 requests run (priorities 0 ... 7000); key B's first (0) arrives once A's first
+    ended: A's running requests sit out B's prompt's step, and only A's run for a while after B's
+    ended: the steps one deep (within the window, then two again)."""
+    now = [0.0]
+    s = scheduler(max_num_seqs=16)
+    y = Y.BatchYield(core_of(s), clock=lambda: now[0])
+    flood = flood_running(s)
+    assert not y.engaged  # one key's requests, each as good as the worst running or worse: nothing to yield to
+    first = flood[0]
+    s.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    s.add_request(request("b", 0, prompt=24, max_tokens=2))
+    assert y.engaged and y.above == 0
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 24} and y.sat_out == 1
+    out, _ = step(s)  # b's second token, its last
+    assert set(out.num_scheduled_tokens) == {"b"} | {r.request_id for r in flood[1:]}
+    assert "b" not in s.requests and len(s.running) == 7
+    assert y.shallow()  # only A's run, B's ran just now
+    now[0] = Y.YIELD_WINDOW_S + 1
+    assert not y.shallow() and y.above == Y.BASE  # B quiet for the window: A's run as vLLM would
+
+
+@pytest.mark.parametrize("priorities", [[0] * 6, [0, 1000, 2000, 3000, 3000, 4000]])
+def test_one_keys_requests_or_equal_priorities_never_engage_it(priorities):
+    """No keys (every priority 0), or one key's requests (the fair share's tags only rise while it
+    has any in flight): no request is better than every running one, so vLLM schedules as it would."""
+    s = scheduler(max_num_seqs=16)
+    seen = []
+    real = s.schedule
+
+    def recording(*a, **k):
+        seen.append(s.max_num_scheduled_tokens)
+        return real(*a, **k)
+
+    s.schedule = recording
+    y = Y.BatchYield(core_of(s))
+    for i, p in enumerate(priorities):
+        s.add_request(request(f"r{i}", p, prompt=16))
+        step(s)
+    assert not y.engaged and set(seen) == {512}
