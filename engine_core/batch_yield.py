@@ -4,9 +4,10 @@ portions.
 
 A batch's line has the lowest priority (``BATCH_PRIORITY``, api_gateway/batch_runner.py): it
 yields to every other request. A newcomer is a request that arrives with a better priority than
-every running one — another key's first request while one key floods (the fair share's tags,
-api_gateway/fair_share.py, only rise while a key has requests in flight, so one key's never
-are), or a client's own better ``priority``; for ``YIELD_WINDOW_S`` after one ran, the requests
+every running one but batch lines — another key's first request while one key floods (the fair
+share's tags, api_gateway/fair_share.py, only rise while a key has requests in flight through a
+gateway, so one key's through one gateway never are; through several, each gateway counts its
+own), or a client's own better ``priority``; for ``YIELD_WINDOW_S`` after one ran, the requests
 of a worse priority than the newcomers' yield too (``BatchYield.boundary``). When a request
 yielded to arrives while only yielding ones run, three things would make it wait beyond the
 step running:
@@ -25,7 +26,8 @@ step running:
   is its own: the running requests that yield sit it out, by vLLM's own per-request skip
   (``Request.next_decode_eligible_step``, which vLLM's diffusion scheduler sets the same way),
   once per request reaching the head of the queue (one vLLM cannot admit yet costs the others
-  one step, not a step each time it is tried).
+  one step, not a step each time it is tried), and never two steps running: however many
+  arrive, the others run at least every other step.
 - Requests that started together end together when their lengths match, and the next ones
   would be admitted together: one step holding all their prompts (16 prompts of 32 tokens: four
   decode steps long here). So within the window a step gives waiting requests that yield at most
@@ -57,6 +59,19 @@ def need(request: Any) -> int:
     return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
 
 
+def newcomer(priority: int, running: list[Any]) -> bool:
+    """Pure: better than every running request that is not a batch line, and one at least runs
+    (batch lines yield to every other request already: one arriving over them only is not new)."""
+    seen = False
+    for r in running:
+        if r.priority >= BATCH_PRIORITY:
+            continue
+        if priority >= r.priority:
+            return False
+        seen = True
+    return seen
+
+
 def step_budget(running: list[Any], waiting: list[Any], full: int, step: int, above: int) -> int:
     """Pure: the step's token budget when ``waiting`` is not empty — all the running requests
     scheduled in step ``step`` ask (vLLM's running pass goes first, in admission order: less would
@@ -80,20 +95,22 @@ class BatchYield:
         # V1 model runner, which counts a step's drafts as accepted until the next step's update
         # (one deep, the scheduler would have rolled them back already).
         self.pipelined = (getattr(core, "batch_queue", None) is not None and self.depth == 2
+                          and not self.scheduler.use_pp
                           and (not self.scheduler.num_spec_tokens or self.scheduler.use_v2_model_runner))
         self.last_favored = float("-inf")  # when a request yielded to last ran or waited
         self.above = BASE  # the requests of a worse priority than this yield (see boundary)
         self.shallow_steps = 0  # steps run one deep (the engine logs it at exit)
         self.solo_for: str | None = None  # the request the others last sat a step out for
         self.sat_out = 0  # steps the others sat out (the engine logs it at exit)
+        self.sat_step = -2  # the last step they sat out: they run at least every other step
         # Whether a batch line or a newcomer ever came: until one does, each step costs one test
         # of it (an engine serving neither is vLLM's, and its per-step path stays as it was).
         self.engaged = False
         self.add = self.scheduler.add_request
         self.scheduler.add_request = self.add_request
         self.inner = self.scheduler.schedule
-        if budget:
-            self.scheduler.schedule = self.schedule
+        self.scheduler.schedule = self.schedule
+        self.budget = budget  # whether the step's token budget may be set (see batch_yield)
 
     def boundary(self) -> int:
         """The worst priority yielded to: a batch line's better, or within a newcomer's window the
@@ -109,7 +126,7 @@ class BatchYield:
         p = request.priority
         if p >= BATCH_PRIORITY:
             self.engaged = True
-        elif self.scheduler.running and all(p < r.priority for r in self.scheduler.running):
+        elif newcomer(p, self.scheduler.running):
             self.engaged = True
             now = self.clock()
             recent = now - self.last_favored < YIELD_WINDOW_S and self.above != BASE
@@ -125,12 +142,15 @@ class BatchYield:
         above = self.boundary()
         if head.priority <= above:
             self.last_favored = self.clock()
-            if head.request_id != self.solo_for:
+            # (schedule() numbers the step it schedules current_step + 1)
+            if head.request_id != self.solo_for and s.current_step + 1 >= self.sat_step + 2:
                 self.sit_out(head.request_id, above)
+            if not self.budget:
+                return self.inner(*args, **kwargs)
             waiting = list(getattr(s.waiting, "_heap", s.waiting))  # (the heap as it is: no order needed)
             if all(r.priority <= above for r in waiting):  # none that yields waits: vLLM's own budget
                 return self.inner(*args, **kwargs)
-        elif self.clock() - self.last_favored < YIELD_WINDOW_S:
+        elif self.budget and self.clock() - self.last_favored < YIELD_WINDOW_S:
             waiting = [head]
         else:  # nothing yielded to lately: the others' prompts at vLLM's own pace
             return self.inner(*args, **kwargs)
@@ -150,7 +170,9 @@ class BatchYield:
         yielding = [r for r in self.scheduler.running if r.priority > above]
         for r in yielding:
             r.next_decode_eligible_step = max(r.next_decode_eligible_step, mark)
-        self.sat_out += bool(yielding)
+        if yielding:
+            self.sat_out += 1
+            self.sat_step = mark - 1
 
     def shallow(self) -> bool:
         """Only requests that yield run, and one yielded to ran within the window."""
@@ -197,5 +219,6 @@ def batch_yield(core: Any) -> BatchYield | None:
     if getattr(scheduler, "policy", None) != SchedulingPolicy.PRIORITY:
         return None
     # Without chunked prefill a prompt larger than the step's budget is never scheduled, and
-    # vLLM's waiting pass stops at it: the budget is left to vLLM (the step queue still yields).
+    # vLLM's waiting pass stops at it: the budget is left to vLLM (the step queue and the sit-out
+    # still yield).
     return BatchYield(core, budget=scheduler.scheduler_config.enable_chunked_prefill)

@@ -53,14 +53,30 @@ def test_a_batch_prompt_mid_prefill_never_takes_an_interactive_prompts_step():
     assert long.num_computed_tokens >= 300 and len(long.output_token_ids) == 8
 
 
-def test_without_chunked_prefill_the_budget_is_vllms():
+def test_without_chunked_prefill_the_budget_is_vllms_and_the_batch_still_sits_out():
     from unittest import mock
 
     s = scheduler(max_num_seqs=16)
-    real = s.schedule
     with mock.patch.object(s.scheduler_config, "enable_chunked_prefill", False):
         y = Y.batch_yield(core_of(s))
-    assert y is not None and s.schedule == real  # not wrapped: a prompt past a small budget would never run
+    assert y is not None and not y.budget  # a prompt past a small budget would never run
+    seen = []
+    real = y.inner
+
+    def recording(*a, **k):
+        seen.append(s.max_num_scheduled_tokens)
+        return real(*a, **k)
+
+    y.inner = recording
+    for i in range(4):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16))
+    step(s)
+    for i in range(4, 8):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY))
+    s.add_request(request("chat", 0, prompt=100))
+    out, _ = step(s)
+    assert "chat" in out.num_scheduled_tokens and not any(f"line{i}" in out.num_scheduled_tokens for i in range(4))
+    assert set(seen) == {512}
 
 
 def test_waiting_batch_lines_get_a_small_portion_of_a_step_and_the_running_their_tokens():
@@ -155,6 +171,7 @@ class Scheduler:
     def __init__(self, running):
         self.running = running
         self.waiting: list = []
+        self.use_pp = False
 
     def add_request(self, request) -> None:
         self.running.append(request)
@@ -231,11 +248,13 @@ def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
     assert seen[0] == 512 and seen[1] == 3 + 40  # the second: a batch line waits behind chat3
 
 
-@pytest.mark.parametrize("spec, v2, depth, switches", [(0, False, 2, True), (3, False, 2, False), (3, True, 2, True),
-                                                       (0, False, 3, False)])
-def test_the_queue_switches_only_for_async_schedulings_two_and_not_with_v1_drafts(spec, v2, depth, switches):
+@pytest.mark.parametrize("spec, v2, depth, pp, switches", [(0, False, 2, False, True), (3, False, 2, False, False),
+                                                           (3, True, 2, False, True), (0, False, 3, False, False),
+                                                           (0, False, 2, True, False)])
+def test_the_queue_switches_only_for_async_schedulings_two_and_not_with_v1_drafts(spec, v2, depth, pp, switches):
+    """Not for pipeline parallelism's two stages either (vLLM's queue is as deep as its stages)."""
     core = Core([])
-    core.scheduler.num_spec_tokens, core.scheduler.use_v2_model_runner = spec, v2
+    core.scheduler.num_spec_tokens, core.scheduler.use_v2_model_runner, core.scheduler.use_pp = spec, v2, pp
     core.scheduler.schedule = lambda: None
     core.batch_queue_size = depth
     assert Y.BatchYield(core).pipelined is switches
@@ -253,8 +272,8 @@ def flood_running(s, n: int = 8):
 
 def test_a_flooding_keys_requests_yield_to_another_keys_first():
     """Key A's 8 requests run (priorities 0 ... 7000); key B's first (0) arrives once A's first
-    ended: A's running requests sit out B's prompt's step, and only A's run for a while after B's
-    ended: the steps one deep (within the window, then two again)."""
+    ended: A's running requests sit out B's prompt's step, and while only A's run after B's
+    ended, ``shallow`` (the steps one deep) holds within the window and not after it."""
     now = [0.0]
     s = scheduler(max_num_seqs=16)
     y = Y.BatchYield(core_of(s), clock=lambda: now[0])
@@ -292,3 +311,48 @@ def test_one_keys_requests_or_equal_priorities_never_engage_it(priorities):
         s.add_request(request(f"r{i}", p, prompt=16))
         step(s)
     assert not y.engaged and set(seen) == {512}
+
+
+def test_a_newcomer_is_better_than_every_running_request_but_batch_lines():
+    def running(*priorities):
+        return [SimpleNamespace(priority=p) for p in priorities]
+
+    assert Y.newcomer(0, running(1000, 2000)) and Y.newcomer(-1, running(0, BATCH_PRIORITY))
+    assert not Y.newcomer(0, running(0, 1000)) and not Y.newcomer(1000, running(0))
+    assert not Y.newcomer(0, running()) and not Y.newcomer(0, running(BATCH_PRIORITY, BATCH_PRIORITY))
+
+
+def test_over_a_batch_interactive_requests_never_yield_to_each_other():
+    """chat0 (0) arrives over batch lines only, chat1 (a key's second in flight: 1000) after it:
+    chat1 is no newcomer, and both are yielded to by the batch alone."""
+    s = scheduler(max_num_seqs=16)
+    y = Y.BatchYield(core_of(s))
+    for i in range(4):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16, max_tokens=30))
+    while s.waiting:
+        step(s)
+    s.add_request(request("chat0", 0, prompt=16, max_tokens=30))
+    assert y.above == Y.BASE  # over batch lines only: every interactive request stays yielded to
+    step(s)
+    step(s)
+    s.add_request(request("chat1", 1000, prompt=40, max_tokens=30))
+    for i in range(4, 8):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"chat0": 1, "chat1": 40}  # the batch sat out, chat0 did not
+
+
+def test_however_many_arrive_the_others_run_every_other_step_at_least():
+    s = scheduler(max_num_seqs=64)
+    Y.BatchYield(core_of(s))
+    for i in range(4):
+        s.add_request(request(f"line{i}", BATCH_PRIORITY, prompt=16, max_tokens=60))
+    while s.waiting:
+        step(s)
+    ran = []
+    for i in range(12):
+        s.add_request(request(f"chat{i}", 0, prompt=8, max_tokens=2))  # one a step
+        out, _ = step(s)
+        ran.append("line0" in out.num_scheduled_tokens)
+    assert not any(a == b == False for a, b in zip(ran, ran[1:]))  # noqa: E712 - never two steps without
+    assert ran.count(False) >= 5  # and they did sit out

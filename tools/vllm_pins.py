@@ -95,6 +95,9 @@ PINS = [
     Pin("Request.next_decode_eligible_step", "vllm.v1.request:Request.__init__",
         "engine_core/batch_yield.py BatchYield.sit_out raises it (never lowers it) so running batch lines skip "
         "one step, and step_budget reads it", attr="next_decode_eligible_step"),
+    Pin("Scheduler.use_pp", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        "engine_core/batch_yield.py BatchYield leaves pipeline parallelism's batch queue as vLLM sets it",
+        attr="use_pp"),
     Pin("Scheduler.current_step", "vllm.v1.core.sched.scheduler:Scheduler.__init__",
         "engine_core/batch_yield.py BatchYield.sit_out and schedule read it (schedule() adds one as it starts)",
         attr="current_step"),
