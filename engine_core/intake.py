@@ -162,6 +162,8 @@ class Intake:
         built = self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)
         if msg.priority is not None:  # the fair share's, for a kind whose body carries none
             built.priority = msg.priority
+        if built.spec.api is not None:  # a speech request's later calls keep it (serving_apis.py)
+            built.spec.api.priority = built.priority
         return built
 
     def _abort(self, ids: list[str]) -> None:

@@ -134,6 +134,9 @@ class ApiRequest:
         self.replaying = False
         self.queued: list[GenerateCall] = []
         self.next: Built | None = None
+        # The first call's priority as the intake set it (the fair share's tag, Generate.priority):
+        # every later call of the request keeps it, as vLLM's serving code knows none.
+        self.priority: int | None = None
 
     # ---- admission --------------------------------------------------------------------
     def start(self) -> Built:
@@ -168,7 +171,8 @@ class ApiRequest:
         core = {k: kwargs.get(k) for k in ("reasoning_ended", "reasoning_parser_kwargs")}
         spec = OutputSpec(chat=True, constrained=params.structured_outputs is not None)
         spec.api = self
-        return Built(engine_input, params, kwargs.get("priority", 0), kwargs.get("session_id"), spec,
+        priority = kwargs.get("priority", 0) if self.priority is None else self.priority
+        return Built(engine_input, params, priority, kwargs.get("session_id"), spec,
                      core_fields=core if any(v is not None for v in core.values()) else None,
                      lora_request=kwargs.get("lora_request"))
 
