@@ -1,7 +1,7 @@
 """A short chaos run (issue 39; the long one is `python -m bench.chaos`): mixed greedy load on a
-daemon with two gateways and warm standbys while every kind of fault and attack hits it once or
-more. Nothing is lost but what docs/supervision.md calls unavoidable (a request on a gateway that
-was killed), every answer equals the one taken before any fault, nothing runs at the end, the
+daemon with two gateways and warm standbys while every kind of fault and attack hits it once.
+Nothing is lost but what docs/supervision.md calls unavoidable (a request on a gateway that was
+killed), every answer equals the one taken before any fault, nothing runs at the end, the
 manager's memory stays bounded, nothing of the tree is left (the factory checks)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_a_chaos_run_loses_nothing(tmp_path_factory):
         d = make(config_text(state))
         d.wait_standbys_warm(4)  # default's engine and worker, default-embed's
         chaos = Chaos(d.port, d.runtime_dir, state, seed=1, disk=disk)
-        report = chaos.run(duration_s=len(FAULTS) * 8.0, gap=(5.0, 8.0), clients=3)
+        report = chaos.run(duration_s=0, gap=(5.0, 8.0), clients=3)  # each kind once; the long run is the bench's
         summary = report.summary()
         faults = "\n".join(f"{t}s {k}: {w}" for t, k, w in report.faults)
         kinds = sorted({(o.name, (o.error or "")[:160]) for o in report.errors()})

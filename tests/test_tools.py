@@ -261,19 +261,21 @@ def test_langchain_bind_tools_gets_tool_calls(tools_daemon):
 
 
 def test_config_check_names_the_parsers(tools_daemon):
-    def check(path):
-        return subprocess.run([*SERVECTL, "config", "check", str(path)], capture_output=True, text=True, timeout=300)
+    def check(path):  # started now, read later: the two checks import vLLM side by side
+        return subprocess.Popen([*SERVECTL, "config", "check", str(path)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
 
-    out = check(tools_daemon.config_path)
-    assert out.returncode == 0, out.stderr
-    assert "model tools: tool_call_parser: hermes" in out.stderr
-    assert "model tools: engine_args.reasoning_parser: qwen3" in out.stderr
     bad = tools_daemon.config_path.with_name("bad.toml")
     text = tools_daemon.config_path.read_text()
     bad.write_text(text.replace('tool_call_parser = "hermes"', 'tool_call_parser = "nope"', 1))  # model `tools`'s
     assert bad.read_text() != text
-    out = check(bad)
-    assert out.returncode != 0 and "'nope' is not registered" in out.stderr and "hermes" in out.stderr, out.stderr
+    good_check, bad_check = check(tools_daemon.config_path), check(bad)
+    err = good_check.communicate(timeout=300)[1]
+    assert good_check.returncode == 0, err
+    assert "model tools: tool_call_parser: hermes" in err
+    assert "model tools: engine_args.reasoning_parser: qwen3" in err
+    err = bad_check.communicate(timeout=300)[1]
+    assert bad_check.returncode != 0 and "'nope' is not registered" in err and "hermes" in err, err
 
 
 def test_a_parser_that_does_not_fit_the_tokenizer_fails_the_model_at_once(daemon_factory):
