@@ -121,8 +121,8 @@ class BatchYield:
 
     def add_request(self, request: Any) -> None:
         """A batch line engages the yield; so does a newcomer — a request arriving with a better
-        priority than every running one (another key's first under a flood: the fair share's
-        tags; a client's own better ``priority``), which the running ones then yield to."""
+        priority than every running one but batch lines (another key's first under a flood: the
+        fair share's tags; a client's own better ``priority``), which the worse ones then yield to."""
         p = request.priority
         if p >= BATCH_PRIORITY:
             self.engaged = True

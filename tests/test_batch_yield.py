@@ -228,9 +228,9 @@ def test_one_deep_while_only_batch_lines_run_after_an_interactive_one_no_step_lo
     assert core.returned == list(range(1, core.scheduled))  # every step but the one queued, once, in order
 
 
-def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
-    s = scheduler(max_num_seqs=16)
-    seen = []
+def budgets(s) -> list[int]:
+    """The token budget of each schedule() call on ``s`` from now on (what the yield set or left)."""
+    seen: list[int] = []
     real = s.schedule
 
     def recording(*a, **k):
@@ -238,6 +238,12 @@ def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
         return real(*a, **k)
 
     s.schedule = recording
+    return seen
+
+
+def test_with_no_batch_line_waiting_the_step_keeps_vllms_budget():
+    s = scheduler(max_num_seqs=16)
+    seen = budgets(s)
     Y.BatchYield(core_of(s))
     for i in range(3):
         s.add_request(request(f"chat{i}", 0))
@@ -298,14 +304,7 @@ def test_one_keys_requests_or_equal_priorities_never_engage_it(priorities):
     """No keys (every priority 0), or one key's requests (the fair share's tags only rise while it
     has any in flight): no request is better than every running one, so vLLM schedules as it would."""
     s = scheduler(max_num_seqs=16)
-    seen = []
-    real = s.schedule
-
-    def recording(*a, **k):
-        seen.append(s.max_num_scheduled_tokens)
-        return real(*a, **k)
-
-    s.schedule = recording
+    seen = budgets(s)
     y = Y.BatchYield(core_of(s))
     for i, p in enumerate(priorities):
         s.add_request(request(f"r{i}", p, prompt=16))
