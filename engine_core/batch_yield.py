@@ -112,10 +112,10 @@ class BatchYield:
         self.scheduler.schedule = self.schedule
         self.budget = budget  # whether the step's token budget may be set (see batch_yield)
 
-    def boundary(self) -> int:
+    def boundary(self, now: float) -> int:
         """The worst priority yielded to: a batch line's better, or within a newcomer's window the
         newcomers' worst (the requests of a worse priority yield)."""
-        if self.above != BASE and self.clock() - self.last_favored >= YIELD_WINDOW_S:
+        if self.above != BASE and now - self.last_favored >= YIELD_WINDOW_S:
             self.above = BASE  # the newcomers went quiet: only a batch's lines yield
         return self.above
 
@@ -139,9 +139,10 @@ class BatchYield:
         if not self.engaged or not s.waiting:
             return self.inner(*args, **kwargs)
         head = s.waiting.peek_request()
-        above = self.boundary()
+        now = self.clock()
+        above = self.boundary(now)
         if head.priority <= above:
-            self.last_favored = self.clock()
+            self.last_favored = now
             # (schedule() numbers the step it schedules current_step + 1)
             if head.request_id != self.solo_for and s.current_step + 1 >= self.sat_step + 2:
                 self.sit_out(head.request_id, above)
@@ -150,7 +151,7 @@ class BatchYield:
             waiting = list(getattr(s.waiting, "_heap", s.waiting))  # (the heap as it is: no order needed)
             if all(r.priority <= above for r in waiting):  # none that yields waits: vLLM's own budget
                 return self.inner(*args, **kwargs)
-        elif self.budget and self.clock() - self.last_favored < YIELD_WINDOW_S:
+        elif self.budget and now - self.last_favored < YIELD_WINDOW_S:
             waiting = [head]
         else:  # nothing yielded to lately: the others' prompts at vLLM's own pace
             return self.inner(*args, **kwargs)
@@ -177,11 +178,12 @@ class BatchYield:
     def shallow(self) -> bool:
         """Only requests that yield run, and one yielded to ran within the window."""
         running, waiting = self.scheduler.running, self.scheduler.waiting
-        above = self.boundary()
+        now = self.clock()
+        above = self.boundary(now)
         if any(r.priority <= above for r in running) or (waiting and waiting.peek_request().priority <= above):
-            self.last_favored = self.clock()
+            self.last_favored = now
             return False
-        return bool(running) and self.clock() - self.last_favored < YIELD_WINDOW_S
+        return bool(running) and now - self.last_favored < YIELD_WINDOW_S
 
     def step(self, get_output: Callable[[], Any]) -> Any:
         """``get_output`` (the in-process client's step) at the depth the running requests call for."""

@@ -51,7 +51,7 @@ class StepHalves:
         self.client = engine.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         self.core = self.client.engine_core  # vLLM's EngineCore
         self.overlap = os.environ.get(OVERLAP_ENV, "1") != "0"
-        self.batches = batch_yield(self.core)  # a batch's lines yield to interactive requests
+        self.batches = batch_yield(self.core)  # a batch's lines, and a flood's, yield (batch_yield.py)
 
     def core_step(self) -> Any:
         """Schedule, run the model, update the scheduler: the step's ``EngineCoreOutputs`` (None: none)."""
