@@ -40,6 +40,7 @@ from engine_core.workers.remote import dial_engine
 from engine_core.workers.replies import Connections, Replies
 from engine_core.workers.signing import BadSignature, Signer, read_key
 from engine_core.workers.spin import WORKER_SPIN_ENV, spin_seconds
+from engine_core.workers import warm_rows
 from engine_core.workers.tokens_reply import TokensReplyCodec
 from servectl.paths import RuntimePaths
 from servectl.proc import die_with_parent, setup_child_logging
@@ -214,6 +215,8 @@ def _handle(peer: int, frames: list[bytes], replies: Replies, signer: Signer, ra
                 result = wrapper.sample_tokens(None)
         else:
             result = run_method(wrapper, method, args, kwargs or {})
+            if method == warm_rows.AFTER_METHOD:
+                warm_rows.warm_worker(wrapper, log)
         if output_rank is not None and output_rank != rank:
             result = None  # as vLLM's own workers, other ranks never resolve an async output
     except Exception as exc:  # the executor re-raises it in the engine
