@@ -16,7 +16,8 @@ eviction: the start takes their pre-imported interpreters) and without:
   an evicted model leaves nothing that wakes;
 - where the swap's time goes (``PHASES``, from the logs): ``b`` stopped, the role handed over,
   the role's start (its configuration, what the standby had not imported, the rendezvous),
-  weights, vLLM's profiling pass, the KV cache and the engine ready, the first step.
+  weights, vLLM's profiling pass, the KV cache and the matmuls' warm-up (engine_core/workers/warm_rows.py),
+  the engine ready, the first step.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ PHASES = [
     ("role_start", "worker-a-0.log", r"Starting to load model"),  # its config, the rest of its imports, rendezvous
     ("weights", "worker-a-0.log", r"Loading weights took"),
     ("profile", "worker-a-0.log", r"for KV cache on node|KV cache"),  # vLLM's profiling forward pass
-    ("kv_cache_and_ready", "engine_core-a.log", r"engine_core\[a\] INFO ready:"),
+    ("kv_cache", "worker-a-0.log", r"warmed \d+ weight shapes"),  # the KV cache and the matmuls' row counts
+    ("ready", "engine_core-a.log", r"engine_core\[a\] INFO ready:"),
 ]
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 

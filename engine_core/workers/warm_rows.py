@@ -9,7 +9,9 @@ this warm-up: bench/results/2026-12-05-warm-rows-ab). Once built, a primitive st
 oneDNN's process-wide cache, so warming each row count once, with zeros, before the
 engine reports ready moves that cost out of serving and into the start: 0.5 s for the
 bundled model in float32, 0.04 s in bfloat16 (whose small shapes vLLM runs on kernels
-that build nothing).
+that build nothing). A primitive holds ~350 KB whatever the weight's size, memory a
+loaded server builds anyway for the row counts it meets; built here, the budget's
+footprint, measured after the start, counts it.
 
 Only layers vLLM dispatched through ``cpu_linear`` (CPU builds) are touched, one per
 weight shape (the primitive cache is per shape, shared by the layers of that shape).
