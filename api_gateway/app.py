@@ -202,6 +202,8 @@ class Gateway(Admission):
                 self.metrics.overlapped_steps.labels(model=name).set(stats.overlapped_steps)
                 self.metrics.worker_replies.labels(model=name, encoding="tokens").set(stats.token_replies)
                 self.metrics.worker_replies.labels(model=name, encoding="signed_pickle").set(stats.signed_replies)
+                self.metrics.yield_steps.labels(model=name, kind="one_deep").set(stats.steps_one_deep)
+                self.metrics.yield_steps.labels(model=name, kind="sat_out").set(stats.steps_sat_out)
             # vLLM's own (vllm:*): only from an engine that lives; a released model's are gone.
             engines.append(await link.engine_metrics())
         body, ctype = self.metrics.render(engines)

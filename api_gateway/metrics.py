@@ -53,6 +53,12 @@ class Metrics:
         self.worker_replies = Gauge("servectl_engine_worker_replies",
                                     "Worker replies the engine took, by encoding", ["model", "encoding"],
                                     multiprocess_mode="livemostrecent", **reg)
+        # The engine's yield (engine_core/batch_yield.py): "one_deep", steps run without a second
+        # queued while only batch lines or a flood ran; "sat_out", steps those sat out for an
+        # interactive request's or a newcomer's prompt. Growing: the yield is engaging.
+        self.yield_steps = Gauge("servectl_engine_yield_steps",
+                                 "Engine steps shaped for interactive requests and newcomers, by kind",
+                                 ["model", "kind"], multiprocess_mode="livemostrecent", **reg)
         self.step_deadline = Gauge("servectl_engine_step_deadline_seconds",
                                    "The engine's deadline for a step, derived from the steps it has seen (as last "
                                    "published; hangs are found in this long)", ["model"],

@@ -38,13 +38,16 @@ class GatewayMessages:
 
     def _on_stats(self, peer: bytes, msg: P.Stats) -> None:
         missing = [rid for rid in msg.request_ids if rid not in self.requests and rid not in self.pending]
+        yielding = getattr(self.halves, "batches", None)
         self._send(peer, P.StatsReply(incarnation=self.spec.incarnation,
                                       unfinished=self.engine.get_num_unfinished_requests() + len(self.pending),
                                       overlapped_steps=self.group.overlapped_steps,
                                       token_replies=self.group.token_replies,
                                       signed_replies=self.group.signed_replies,
                                       rejected_frames=self.rejected, missing=missing,
-                                      last_worked_at=self.clock.since_wall))
+                                      last_worked_at=self.clock.since_wall,
+                                      steps_one_deep=yielding.shallow_steps if yielding is not None else 0,
+                                      steps_sat_out=yielding.sat_out if yielding is not None else 0))
 
     def _on_tokenizer(self, peer: bytes, msg: P.Tokenizer) -> None:
         """Queued; answered by ``_answer_tokenizing`` (tokenising needs no worker)."""

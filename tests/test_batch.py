@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 
-from conftest import DEFAULT_MODEL_DIR, DaemonFactory, wait_for
+from conftest import DEFAULT_MODEL_DIR, DaemonFactory, http, wait_for
 
 ADMIN = "sk-admin-batch"
 KEYS = {"alpha": "sk-alpha-batch-0123456789", "beta": "sk-beta-batch-0123456789"}
@@ -189,6 +189,10 @@ def test_a_cancelled_batch_stops_and_keeps_what_finished(d):
     during = [c.chat.completions.create(model="default", messages=[{"role": "user", "content": p}], max_tokens=12,
                                         temperature=0).choices[0].message.content for p in PROMPTS[:3]]
     assert c.batches.retrieve(b.id).status == "in_progress"
+    # The engine yielded to them: the batch lines sat out their prompts' steps and ran one deep
+    # (before this test no interactive request met a running batch on this daemon's engine).
+    yielded = yield_steps(d)
+    assert yielded["sat_out"] >= 1 and yielded["one_deep"] >= 1, yielded
     cancelling = c.batches.cancel(b.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     b = wait_ended(c, b.id)
@@ -202,6 +206,13 @@ def test_a_cancelled_batch_stops_and_keeps_what_finished(d):
     assert during == [c.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
                                                 max_tokens=12, temperature=0).choices[0].message.content
                       for p in PROMPTS[:3]]
+
+
+def yield_steps(d) -> dict[str, float]:
+    """The default model's ``servectl_engine_yield_steps`` from the gateway's /metrics, by kind."""
+    text = http(d, "GET", "/metrics").text
+    return {line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("servectl_engine_yield_steps{") and 'model="default"' in line}
 
 
 def lazy_state(d) -> str:

@@ -204,7 +204,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
     EP.MetricsReply: [EP.MetricsReply(incarnation="abc", text="vllm:num_requests_running{model_name=\"m.1\"} 1.0\n")],
     EP.StatsReply: [known_fields(EP.StatsReply, incarnation="abc", unfinished=2, rejected_frames=1,
                                  overlapped_steps=5, token_replies=7, signed_replies=3, missing=["r3"],
-                                 last_worked_at=1.5)],
+                                 last_worked_at=1.5, steps_one_deep=4, steps_sat_out=2)],
     # spawn: what the manager hands a child at exec (JSON on argv, or over the standby's channel)
     SP.EngineSpec: [SP.EngineSpec(model=MODEL, runtime_dir="/rt", incarnation="abc", freezing=False,
                                   freeze_grace_s=1.5, worker_reply_timeout_s=30.0),

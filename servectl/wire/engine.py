@@ -231,6 +231,10 @@ class StatsReply(_Msg, tag="stats_reply"):
     missing: list[str] = []
     # When the engine last stepped (wall clock): its requests' last progress.
     last_worked_at: float | None = None
+    # The yield to interactive requests and newcomers (engine_core/batch_yield.py): steps run one
+    # deep while only yielding requests ran, and steps those sat out for a newcomer's prompt.
+    steps_one_deep: int = 0
+    steps_sat_out: int = 0
 
 
 class MetricsReply(_Msg, tag="metrics_reply"):
