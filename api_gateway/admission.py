@@ -112,7 +112,7 @@ class Admission:
         # request_id, else ours.
         header = request.headers.get("X-Request-Id")
         base = header if header and header == request["request_id"] else req.request_id or self.new_request_id()
-        gens = generate_messages(forward, prompts, self.new_request_id)
+        gens = generate_messages(forward, prompts, self.new_request_id, self.keygate.tenant(request))
         # (a request the engine cannot take is a 400 here)
         run = self.generator.run(link, gens, n, prefix_key(forward))
         return link, run, seqs, base

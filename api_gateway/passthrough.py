@@ -129,7 +129,7 @@ class ApiEndpoints:
             g.check_room(link, seqs)
             tag = g.keygate.prioritise(request, kind, forward, seqs)
             gen = EP.Generate(request_id=g.new_request_id(), kind=kind, body=forward,
-                              answer_id=secrets.token_hex(8), priority=tag)
+                              answer_id=secrets.token_hex(8), priority=tag, tenant=g.keygate.tenant(request))
             run = g.generator.run(link, [gen], 1, prefix_key(forward))
         run.keep_deltas = True  # a stream goes on after a restart from the same deltas (Resume.deltas)
 

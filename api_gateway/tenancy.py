@@ -143,6 +143,11 @@ class KeyGate:
         forward["priority"] = max(asked, tag) if asked is not None else tag
         return None
 
+    def tenant(self, request: web.Request) -> str:
+        """The key whose fair share tagged this request ("" if none did): ``Generate.tenant``."""
+        counted, key = request.get("counted"), self.key_of(request)
+        return key.label if key is not None and counted is not None and counted.tag is not None else ""
+
     def finished(self, request: web.Request, status: int) -> None:
         """The end of a request that named a served model: its usage and slot to the manager."""
         counted: Counted | None = request.pop("counted", None)

@@ -68,12 +68,12 @@ def check_messages(messages: list[H.ChatMessage]) -> None:
                 raise HttpError(400, "a text content part's `text` must be a string", param="messages")
 
 
-def generate_messages(forward: dict[str, Any], prompts: list | None, new_request_id: Callable[[], str]
-                      ) -> list[EP.Generate]:
+def generate_messages(forward: dict[str, Any], prompts: list | None, new_request_id: Callable[[], str],
+                      tenant: str = "") -> list[EP.Generate]:
     """One engine request per prompt (completions: ``prompts``; chat: None, one request)."""
     if prompts is None:
-        return [EP.Generate(request_id=new_request_id(), kind="chat", body=forward)]
-    return [EP.Generate(request_id=new_request_id(), kind="completion", body={**forward, "prompt": p})
+        return [EP.Generate(request_id=new_request_id(), kind="chat", body=forward, tenant=tenant)]
+    return [EP.Generate(request_id=new_request_id(), kind="completion", body={**forward, "prompt": p}, tenant=tenant)
             for p in prompts]
 
 

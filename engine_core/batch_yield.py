@@ -6,8 +6,9 @@ A batch's line has the lowest priority (``BATCH_PRIORITY``, api_gateway/batch_ru
 yields to every other request. A newcomer is a request that arrives with a better priority than
 every running one but batch lines — another key's first request while one key floods (the fair
 share's tags, api_gateway/fair_share.py, only rise while a key has requests in flight through a
-gateway, so one key's through one gateway never are; through several, each gateway counts its
-own), or a client's own better ``priority``; for ``YIELD_WINDOW_S`` after one ran, the requests
+gateway, so one key's through one gateway never are; through several, each counting its own,
+they can be, so a request whose key, ``Generate.tenant``, already runs is not one either), or a
+client's own better ``priority``; for ``YIELD_WINDOW_S`` after one ran, the requests
 of a worse priority than the newcomers' yield too (``BatchYield.boundary``). When a request
 yielded to arrives while only yielding ones run, three things would make it wait beyond the
 step running:
@@ -51,6 +52,7 @@ YIELD_ENV = "SERVECTL_BATCH_YIELD"
 YIELD_WINDOW_S = 5.0  # how long after a request yielded to ran the others' steps stay one deep
 PREFILL_TOKENS = 64  # the prompt tokens of waiting requests that yield one step takes, at most
 BASE = BATCH_PRIORITY - 1  # with no newcomer lately, only a batch's lines yield
+TENANT = "servectl_tenant"  # the attribute a vLLM Request carries its key in (Generate.tenant)
 
 
 def need(request: Any) -> int:
@@ -59,14 +61,16 @@ def need(request: Any) -> int:
     return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
 
 
-def newcomer(priority: int, running: list[Any]) -> bool:
-    """Pure: better than every running request that is not a batch line, and one at least runs
-    (batch lines yield to every other request already: one arriving over them only is not new)."""
+def newcomer(priority: int, running: list[Any], tenant: str = "") -> bool:
+    """Pure: better than every running request that is not a batch line, one at least running
+    (batch lines yield to every other request already: one arriving over them only is not new),
+    and none of them its own key's (``tenant``: through several gateways a key's tags can be
+    better than its own running ones; through one they never are)."""
     seen = False
     for r in running:
         if r.priority >= BATCH_PRIORITY:
             continue
-        if priority >= r.priority:
+        if priority >= r.priority or (tenant and getattr(r, TENANT, "") == tenant):
             return False
         seen = True
     return seen
@@ -106,6 +110,9 @@ class BatchYield:
         # Whether a batch line or a newcomer ever came: until one does, each step costs one test
         # of it (an engine serving neither is vLLM's, and its per-step path stays as it was).
         self.engaged = False
+        # (request id, key) of the request vLLM takes next, set by the engine's intake just before
+        # (engine_core/intake.py): the key goes onto vLLM's Request, and dies with it.
+        self.arriving: tuple[str, str] | None = None
         self.add = self.scheduler.add_request
         self.scheduler.add_request = self.add_request
         self.inner = self.scheduler.schedule
@@ -123,10 +130,13 @@ class BatchYield:
         """A batch line engages the yield; so does a newcomer — a request arriving with a better
         priority than every running one but batch lines (another key's first under a flood: the
         fair share's tags; a client's own better ``priority``), which the worse ones then yield to."""
-        p = request.priority
+        p, arriving, self.arriving = request.priority, self.arriving, None
+        tenant = arriving[1] if arriving is not None and arriving[0] == request.request_id else ""
+        if tenant:
+            setattr(request, TENANT, tenant)
         if p >= BATCH_PRIORITY:
             self.engaged = True
-        elif newcomer(p, self.scheduler.running):
+        elif newcomer(p, self.scheduler.running, tenant):
             self.engaged = True
             now = self.clock()
             recent = now - self.last_favored < YIELD_WINDOW_S and self.above != BASE

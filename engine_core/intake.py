@@ -36,11 +36,13 @@ class InFlight:
     peer: bytes  # the gateway that sent it (its identity on the frontend)
     spec: Any  # its OutputSpec: what its responses show
     resumed: int | None = None  # the choice it continues (engine_core/resume.py), or None
+    tenant: str = ""  # the key its fair-share priority is from (Generate.tenant), for its later calls
 
 
 class Intake:
     """Uses ``EngineServer``'s spec, engine, tokenizer, group, builder, idle release, held outputs,
-    slices, pending, requests, by_peer, pooled, draining, tracing and its ``_send`` / ``_fail``."""
+    slices, pending, requests, by_peer, pooled, draining, tracing, the step halves' yield and its
+    ``_send`` / ``_fail``."""
 
     def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
         rid = msg.request_id
@@ -88,6 +90,7 @@ class Intake:
         built = None
         try:
             built = self._build(msg)
+            self._arriving(rid, msg.tenant)
             if msg.trace_parent and self.tracing is not None:  # vLLM's llm_request joins the trace
                 built.trace_headers = self.tracing.added(rid, msg.trace_parent)
             if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
@@ -113,13 +116,16 @@ class Intake:
             self._refuse(peer, rid, str(bad), bad.status, bad.param)
             return
         built.spec.whole = not msg.body.get("stream") and built.spec.pooling is None
-        self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None)
+        self.requests[rid] = InFlight(peer, built.spec, msg.resume.index if msg.resume is not None else None,
+                                      msg.tenant)
         self.by_peer[peer].add(rid)
 
     def _add_next(self, peer: bytes, rid: str, built: Built) -> None:
         """A request's next call to vLLM, under its id, once the one before it finished."""
         if self.tracing is not None:
             built.trace_headers = self.tracing.headers(rid)
+        req = self.requests.get(rid)
+        self._arriving(rid, req.tenant if req is not None else "")
         try:
             built.add_to(self.engine, rid)
         except BaseException as exc:  # noqa: BLE001 - as at admission: vLLM's classification
@@ -157,6 +163,13 @@ class Intake:
             self.engine.abort_request(self._vllm_ids([rid]))
         except Exception:  # noqa: BLE001 - nothing more can be done for it
             log.exception("dropping request %s", rid)
+
+    def _arriving(self, rid: str, tenant: str) -> None:
+        """Tells the engine's yield whose request vLLM takes next (batch_yield.py: a key's own
+        request through another gateway is not another key's first)."""
+        yielding = getattr(self.halves, "batches", None)
+        if yielding is not None:
+            yielding.arriving = (rid, tenant) if tenant else None
 
     def _build(self, msg: P.Generate) -> Built:
         built = self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)

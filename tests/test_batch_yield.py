@@ -321,6 +321,43 @@ def test_a_newcomer_is_better_than_every_running_request_but_batch_lines():
     assert not Y.newcomer(0, running()) and not Y.newcomer(0, running(BATCH_PRIORITY, BATCH_PRIORITY))
 
 
+def test_a_keys_own_request_is_no_newcomer_whatever_its_priority():
+    def running(*pairs):
+        return [SimpleNamespace(priority=p, **({Y.TENANT: t} if t else {})) for p, t in pairs]
+
+    assert not Y.newcomer(0, running((1000, "a"), (2000, "b")), "a")  # a's own runs: not a's first
+    assert Y.newcomer(0, running((1000, "a"), (2000, "b")), "c")
+    assert Y.newcomer(0, running((1000, ""), (2000, "")), "a")  # untagged (no fair share) runners
+    assert Y.newcomer(0, running((1000, "a")))  # an untagged arrival: priorities alone, as before
+
+
+def test_one_key_through_two_gateways_never_engages_it():
+    """Each gateway counts its own: the key's requests through gateway 2 start again at 0 while its
+    requests through gateway 1 run at 1000 and up. The key is on each (Generate.tenant, set on
+    vLLM's Request as the engine's intake adds it): vLLM schedules as it would."""
+    s = scheduler(max_num_seqs=16)
+    seen = budgets(s)
+    y = Y.BatchYield(core_of(s))
+
+    def add(rid: str, priority: int) -> None:
+        y.arriving = (rid, "team-a")
+        s.add_request(request(rid, priority, prompt=16))
+
+    for i, p in enumerate([0, 1000, 2000, 3000]):  # gateway 1
+        add(f"g1-{i}", p)
+        step(s)
+    s.finish_requests("g1-0", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    add("g2-0", 0)  # gateway 2's first: better than every running one, all the key's own
+    step(s)
+    assert getattr(s.requests["g2-0"], Y.TENANT) == "team-a"
+    assert not y.engaged and set(seen) == {512} and y.arriving is None
+    add("g2-1", 0)
+    y.arriving = ("another", "team-b")  # a stale hand-over names another request: not taken
+    s.add_request(request("b-0", -1, prompt=16))
+    assert y.engaged and y.above == -1 and not hasattr(s.requests["b-0"], Y.TENANT)
+
+
 def test_over_a_batch_interactive_requests_never_yield_to_each_other():
     """chat0 (0) arrives over batch lines only, chat1 (a key's second in flight: 1000) after it:
     chat1 is no newcomer, and both are yielded to by the batch alone."""

@@ -363,3 +363,22 @@ def test_messages_and_speech_get_the_tag_through_the_engine_and_keyed_clients_no
         req, forward = request_of(req_key), {"priority": asked}
         off.check_model(req, "m", "m")
         assert off.prioritise(req, "chat", forward, 1) is None and forward["priority"] == sent, (req_key, asked)
+        assert off.tenant(req) == ""  # no fair share: no key on the engine request
+
+
+def test_a_tagged_request_names_its_key_to_the_engine_and_a_batch_line_does_not():
+    from api_gateway.keys import RequestKey
+    from api_gateway.tenancy import KeyGate
+    from api_gateway.translate import generate_messages
+
+    gate = KeyGate(FakeManager(), fair_share=True)
+    tagged, line = request_of(RequestKey(Access.API, "a", named("a"))), request_of(RequestKey(Access.API, "a",
+                                                                                            named("a")))
+    line["batch"] = True
+    for req in (tagged, line):
+        gate.check_model(req, "m", "m")
+        gate.prioritise(req, "chat", {}, 1)
+    assert gate.tenant(tagged) == "a" and gate.tenant(line) == ""
+    ids = iter(["r1", "r2"])
+    gens = generate_messages({}, ["x", "y"], lambda: next(ids), gate.tenant(tagged))
+    assert [g.tenant for g in gens] == ["a", "a"]

@@ -162,7 +162,7 @@ SAMPLES: dict[type, list[msgspec.Struct]] = {
                   EP.Generate(request_id="r1", kind="completion",
                               body={"prompt": "def ", "temperature": 0.5, "n": 2, "echo": True}),
                   EP.Generate(request_id="r2", kind="completion", body={"prompt": [1, 2, 3]}),
-                  EP.Generate(request_id="r5", kind="messages", body={"messages": []}, priority=3000),
+                  EP.Generate(request_id="r5", kind="messages", body={"messages": []}, priority=3000, tenant="team-a"),
                   EP.Generate(request_id="r4", kind="responses", body={"input": "hi", "stream": True},
                               answer_id="0123456789abcdef",
                               trace_parent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),

@@ -87,6 +87,10 @@ class Generate(_Msg, tag="generate"):
     # The fair share's priority for a kind whose vLLM request class has no ``priority`` field
     # (Messages, speech): the engine gives it to the request it builds. None: the body's, or 0.
     priority: int | None = None
+    # The key whose fair share gave the priority (its label; "" where none did): through several
+    # gateways, each counting its own, a key's request can arrive better than its own running
+    # ones, and the engine must not take it for another key's first (engine_core/batch_yield.py).
+    tenant: str = ""
 
 
 class Abort(_Msg, tag="abort"):
