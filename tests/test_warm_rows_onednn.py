@@ -4,6 +4,7 @@ built a primitive (``create:cache_miss``) or found one (``create:cache_hit``).""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.vllm_unit
 
 PROGRAM = textwrap.dedent("""
-    import sys, torch
+    import torch
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from engine_core.workers.warm_rows import shapes, warm
 
@@ -28,22 +29,26 @@ PROGRAM = textwrap.dedent("""
     for layer in model:
         dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
     layers = shapes(model.modules())
-    print("SHAPES", len(layers), flush=True)
-    warm(layers, torch.float32, 8)
-    for rows in (5, 8, 1, 9):
+    print("SHAPES", len(layers), [str(s.dtype) for s in layers], flush=True)
+    print("BUDGET 0 WARMS", warm(layers, 64, budget_s=0.0)[0], flush=True)  # at least one row count
+    done, _ = warm(layers, 64)
+    print("WARMED", done, flush=True)
+    # 40: in vLLM's per-layer cache (the last 32 warmed); 5: only in oneDNN's; 65: never warmed.
+    for rows in (5, 40, 65):
         print("CALL", rows, flush=True)
-        for layer, k, bias in layers:
-            layer.cpu_linear(torch.zeros(rows, k), layer.weight, bias)
+        for s in layers:
+            s.layer.cpu_linear(torch.zeros(rows, s.k), s.layer.weight, s.bias)
     print("END", flush=True)
 """)
 
 
-def test_a_warmed_row_count_finds_its_primitives_and_an_unwarmed_one_builds_them():
+def test_warmed_row_counts_find_their_primitives_and_an_unwarmed_one_builds_them():
     out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "ONEDNN_VERBOSE": "2"})
+                         env={**os.environ, "ONEDNN_VERBOSE": "2"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert "SHAPES 2" in lines, out.stdout[-2000:]
+    assert "SHAPES 2 ['torch.float32', 'torch.float32']" in lines, out.stdout[-2000:]
+    assert "BUDGET 0 WARMS 1" in lines and "WARMED 64" in lines, out.stdout[-2000:]
     calls: dict[int, list[str]] = {}
     current = None
     for line in lines:
@@ -53,8 +58,8 @@ def test_a_warmed_row_count_finds_its_primitives_and_an_unwarmed_one_builds_them
             current = None
         elif current is not None and ",primitive,create:" in line and ",matmul," in line:
             current.append(line.split(",primitive,create:")[1].split(",")[0])
-    if not any(calls.values()):
+    if not calls[65]:
         pytest.skip("this CPU build's layers do not run on oneDNN matmuls (nothing to warm)")
-    for rows in (5, 8, 1):
-        assert "cache_miss" not in calls[rows], (rows, calls)
-    assert calls[9].count("cache_miss") == 2, calls
+    assert calls[5] == ["cache_hit", "cache_hit"], calls  # built by the warm-up, found in oneDNN's
+    assert calls[40] == [], calls  # vLLM's own cache: not even a lookup in oneDNN's
+    assert calls[65] == ["cache_miss", "cache_miss"], calls
