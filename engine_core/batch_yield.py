@@ -110,9 +110,10 @@ class BatchYield:
         # Whether a batch line or a newcomer ever came: until one does, each step costs one test
         # of it (an engine serving neither is vLLM's, and its per-step path stays as it was).
         self.engaged = False
-        # (request id, key) of the request vLLM takes next, set by the engine's intake just before
-        # (engine_core/intake.py): the key goes onto vLLM's Request, and dies with it.
-        self.arriving: tuple[str, str] | None = None
+        # The key of the request vLLM is adding now (its every Request: vLLM renames the id, and
+        # n > 1 adds a child each), set by the engine's intake around the add only
+        # (engine_core/intake.py ``_adding``): it goes onto each Request, and dies with it.
+        self.arriving = ""
         self.add = self.scheduler.add_request
         self.scheduler.add_request = self.add_request
         self.inner = self.scheduler.schedule
@@ -130,8 +131,7 @@ class BatchYield:
         """A batch line engages the yield; so does a newcomer — a request arriving with a better
         priority than every running one but batch lines (another key's first under a flood: the
         fair share's tags; a client's own better ``priority``), which the worse ones then yield to."""
-        p, arriving, self.arriving = request.priority, self.arriving, None
-        tenant = arriving[1] if arriving is not None and arriving[0] == request.request_id else ""
+        p, tenant = request.priority, self.arriving
         if tenant:
             setattr(request, TENANT, tenant)
         if p >= BATCH_PRIORITY:

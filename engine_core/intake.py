@@ -12,8 +12,10 @@ from vLLM. Each added request has one ``InFlight`` record until ``_forget``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +92,16 @@ class Intake:
         built = None
         try:
             built = self._build(msg)
-            self._arriving(rid, msg.tenant)
             if msg.trace_parent and self.tracing is not None:  # vLLM's llm_request joins the trace
                 built.trace_headers = self.tracing.added(rid, msg.trace_parent)
             if built.spec.pooling is not None:  # its inputs rendered and added by slices (slices.py)
                 self.slices.start(rid, built.spec.pooling)
             elif msg.resume is None:
-                built.add_to(self.engine, rid)
+                with self._adding(msg.tenant):
+                    built.add_to(self.engine, rid)
             else:
-                add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
+                with self._adding(msg.tenant):
+                    add_continued(self.engine, self.tokenizer, rid, built, msg.resume)
         except BaseException as exc:  # one request's failure never takes the engine down
             if not is_request_error(exc):
                 raise
@@ -125,9 +128,9 @@ class Intake:
         if self.tracing is not None:
             built.trace_headers = self.tracing.headers(rid)
         req = self.requests.get(rid)
-        self._arriving(rid, req.tenant if req is not None else "")
         try:
-            built.add_to(self.engine, rid)
+            with self._adding(req.tenant if req is not None else ""):
+                built.add_to(self.engine, rid)
         except BaseException as exc:  # noqa: BLE001 - as at admission: vLLM's classification
             if not is_request_error(exc):
                 raise
@@ -164,12 +167,20 @@ class Intake:
         except Exception:  # noqa: BLE001 - nothing more can be done for it
             log.exception("dropping request %s", rid)
 
-    def _arriving(self, rid: str, tenant: str) -> None:
-        """Tells the engine's yield whose request vLLM takes next (batch_yield.py: a key's own
-        request through another gateway is not another key's first)."""
+    @contextlib.contextmanager
+    def _adding(self, tenant: str) -> Iterator[None]:
+        """While vLLM adds a request (synchronously, on this thread): its key, for the engine's
+        yield to put on each Request vLLM makes of it (batch_yield.py: a key's own request through
+        another gateway is not another key's first). Cleared after, whatever happens."""
         yielding = getattr(self.halves, "batches", None)
-        if yielding is not None:
-            yielding.arriving = (rid, tenant) if tenant else None
+        if yielding is None or not tenant:
+            yield
+            return
+        yielding.arriving = tenant
+        try:
+            yield
+        finally:
+            yielding.arriving = ""
 
     def _build(self, msg: P.Generate) -> Built:
         built = self.builder.build(msg.kind, msg.body, msg.request_id, msg.answer_id)

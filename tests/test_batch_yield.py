@@ -333,29 +333,37 @@ def test_a_keys_own_request_is_no_newcomer_whatever_its_priority():
 
 def test_one_key_through_two_gateways_never_engages_it():
     """Each gateway counts its own: the key's requests through gateway 2 start again at 0 while its
-    requests through gateway 1 run at 1000 and up. The key is on each (Generate.tenant, set on
-    vLLM's Request as the engine's intake adds it): vLLM schedules as it would."""
+    requests through gateway 1 run at 1000 and up. The key is on each (Generate.tenant, on every
+    vLLM Request made while the engine's intake adds it: vLLM renames the id, ``rid-xxxxxxxx``, and
+    n > 1 adds a child ``i_rid-xxxxxxxx`` each): vLLM schedules as it would."""
     s = scheduler(max_num_seqs=16)
     seen = budgets(s)
     y = Y.BatchYield(core_of(s))
 
-    def add(rid: str, priority: int) -> None:
-        y.arriving = (rid, "team-a")
-        s.add_request(request(rid, priority, prompt=16))
+    def add(tenant: str, *rids_and_priority) -> None:
+        *rids, priority = rids_and_priority
+        y.arriving = tenant  # as Intake._adding does around vLLM's add_request
+        try:
+            for rid in rids:
+                s.add_request(request(rid, priority, prompt=16))
+        finally:
+            y.arriving = ""
 
     for i, p in enumerate([0, 1000, 2000, 3000]):  # gateway 1
-        add(f"g1-{i}", p)
+        add("team-a", f"g1-{i}-0a1b2c3d", p)
         step(s)
-    s.finish_requests("g1-0", RequestStatus.FINISHED_ABORTED)
+    s.finish_requests("g1-0-0a1b2c3d", RequestStatus.FINISHED_ABORTED)
     step(s)
-    add("g2-0", 0)  # gateway 2's first: better than every running one, all the key's own
+    add("team-a", "0_g2-0-81557a02", "1_g2-0-81557a02", 0)  # gateway 2's first, n = 2: its own key runs
     step(s)
-    assert getattr(s.requests["g2-0"], Y.TENANT) == "team-a"
-    assert not y.engaged and set(seen) == {512} and y.arriving is None
-    add("g2-1", 0)
-    y.arriving = ("another", "team-b")  # a stale hand-over names another request: not taken
-    s.add_request(request("b-0", -1, prompt=16))
-    assert y.engaged and y.above == -1 and not hasattr(s.requests["b-0"], Y.TENANT)
+    assert all(getattr(s.requests[r], Y.TENANT) == "team-a" for r in ("0_g2-0-81557a02", "1_g2-0-81557a02"))
+    assert not y.engaged and set(seen) == {512}
+    s.finish_requests(["0_g2-0-81557a02", "1_g2-0-81557a02"], RequestStatus.FINISHED_ABORTED)
+    step(s)
+    add("team-b", "b-0-5e6f7a8b", 0)  # another key's first, over team-a's 1000 and up: a newcomer
+    assert y.engaged and y.above == 0 and getattr(s.requests["b-0-5e6f7a8b"], Y.TENANT) == "team-b"
+    s.add_request(request("after", 5000, prompt=16))  # added outside an intake's add: no key
+    assert not hasattr(s.requests["after"], Y.TENANT)
 
 
 def test_over_a_batch_interactive_requests_never_yield_to_each_other():

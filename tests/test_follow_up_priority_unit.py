@@ -40,3 +40,30 @@ def test_a_request_without_a_serving_api_is_left_as_built():
     intake = SimpleNamespace(builder=SimpleNamespace(build=lambda *a: built))
     assert Intake._build(intake, P.Generate(request_id="r", kind="completion", body={})).priority == 5
     assert Intake._build(intake, P.Generate(request_id="r", kind="completion", body={}, priority=9)).priority == 9
+
+
+def test_a_requests_key_is_the_yields_only_while_vllm_adds_it_and_a_follow_up_keeps_it():
+    """Intake._adding: the key on the yield only around vLLM's add (vLLM renames the request id
+    and adds a child per n, so the yield tags whatever is added meanwhile), cleared after even
+    when vLLM refuses the request; a Messages / speech follow-up is added with its first's key."""
+    yielding = SimpleNamespace(arriving="")
+    seen = []
+    intake = SimpleNamespace(halves=SimpleNamespace(batches=yielding))
+    intake._adding = lambda tenant: Intake._adding(intake, tenant)
+    with Intake._adding(intake, "team-a"):
+        seen.append(yielding.arriving)
+    with pytest.raises(ValueError):
+        with Intake._adding(intake, "team-b"):
+            raise ValueError("refused by vLLM")
+    with Intake._adding(intake, ""):  # no key (no fair share): nothing set
+        seen.append(yielding.arriving)
+    assert seen == ["team-a", ""] and yielding.arriving == ""
+    added = []
+    built = SimpleNamespace(add_to=lambda engine, rid: added.append((rid, yielding.arriving)))
+    intake.tracing, intake.engine = None, None
+    intake.requests = {"r1": SimpleNamespace(tenant="team-a")}
+    Intake._add_next(intake, b"peer", "r1", built)
+    assert added == [("r1", "team-a")] and yielding.arriving == ""
+    without = SimpleNamespace()  # an engine without the yield (another policy): adds as before
+    with Intake._adding(SimpleNamespace(halves=without), "team-a"):
+        pass
